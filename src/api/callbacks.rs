@@ -1,0 +1,78 @@
+//! `POST /v1/callbacks/pushary`: thin by design. Read the raw body under a
+//! cap, verify the signature on those exact bytes, commit to the inbox,
+//! then acknowledge. Nothing is parsed before it is verified, and no resume
+//! work happens here.
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use serde_json::{Value, json};
+
+use super::{AppState, DEFAULT_TENANT, read_body};
+use crate::clock::now_ms;
+use crate::error::ApiError;
+use crate::pushary::signature;
+use crate::store::{InboxInsert, NewInboxEntry};
+
+pub const SIGNATURE_HEADER: &str = "x-pushary-signature";
+const MAX_CORRELATION_ID: usize = 256;
+
+pub(super) async fn receive(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    let bytes = read_body(body, state.config.server.max_callback_bytes).await?;
+    let sig = headers
+        .get(SIGNATURE_HEADER)
+        .ok_or(ApiError::Unauthorized { detail: "missing X-Pushary-Signature" })?
+        .to_str()
+        .map_err(|_| ApiError::Unauthorized { detail: "the signature does not verify" })?;
+    if !signature::verify(state.webhook_secrets.iter().map(|s| s.expose()), &bytes, sig) {
+        tracing::warn!(bytes = bytes.len(), "callback rejected: signature does not verify");
+        return Err(ApiError::Unauthorized { detail: "the signature does not verify" });
+    }
+    crate::fault::point("callback_verified");
+    let parsed: Value = serde_json::from_slice(&bytes)
+        .map_err(|_| ApiError::bad_request("invalid_json", "the callback body is not JSON"))?;
+    let (Some(correlation_id), Some(answer)) = (
+        parsed.get("correlationId").and_then(Value::as_str),
+        parsed.get("answer").and_then(Value::as_str),
+    ) else {
+        return Err(ApiError::bad_request(
+            "not_a_decision_callback",
+            "a decision callback needs string `correlationId` and `answer`",
+        ));
+    };
+    if correlation_id.is_empty() || correlation_id.len() > MAX_CORRELATION_ID {
+        return Err(ApiError::bad_request("invalid_correlation_id", "correlationId must be 1 to 256 bytes"));
+    }
+    let answered_at = parsed.get("answeredAt").and_then(Value::as_str);
+    let inserted = state
+        .engine
+        .store()
+        .insert_inbox(&NewInboxEntry {
+            tenant: DEFAULT_TENANT,
+            correlation_id,
+            answer,
+            answered_at,
+            body: &bytes,
+            source: "callback",
+            received_at: now_ms(),
+        })
+        .await?;
+    // Committed (synchronous=FULL): only now may Pushary stop retrying.
+    crate::fault::point("after_inbox_commit");
+    match inserted {
+        InboxInsert::Stored(id) => {
+            tracing::info!(correlation_id, inbox_id = id, "callback stored");
+            state.engine.wake();
+            Ok(Json(json!({"status": "stored"})))
+        }
+        InboxInsert::Duplicate(id) => {
+            tracing::info!(correlation_id, inbox_id = id, "duplicate callback");
+            Ok(Json(json!({"status": "duplicate"})))
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! The HTTP surface: the operations API (bearer token), the Pushary
+//! callback receiver (signature), and health endpoints.
+
+mod callbacks;
+mod operations;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use serde_json::json;
+
+use crate::config::Config;
+use crate::error::ApiError;
+use crate::secret::Secret;
+use crate::worker::Engine;
+
+/// The tenant of a configuration without tenants.
+pub const DEFAULT_TENANT: &str = "default";
+
+#[derive(Clone)]
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub engine: Arc<Engine>,
+    pub tokens: Arc<Vec<Secret>>,
+    pub webhook_secrets: Arc<Vec<Secret>>,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/operations", post(operations::enqueue).get(operations::list))
+        .route("/v1/operations/{id}", get(operations::show).delete(operations::cancel))
+        .route("/v1/callbacks/pushary", post(callbacks::receive))
+        .route("/healthz", get(|| async { axum::Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(ready))
+        .fallback(|| async { ApiError::NotFound { detail: "no such route".into() } })
+        .method_not_allowed_fallback(|| async {
+            (
+                StatusCode::METHOD_NOT_ALLOWED,
+                axum::Json(json!({"code": "method_not_allowed", "detail": "this route does not take that method"})),
+            )
+        })
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            Duration::from_secs(30),
+        ))
+        .with_state(state)
+}
+
+async fn ready(axum::extract::State(state): axum::extract::State<AppState>) -> impl IntoResponse {
+    let store = state.engine.store();
+    match store.migration_status().await {
+        Ok((Some(applied), latest)) if applied >= latest && store.ping().await.is_ok() => {
+            (StatusCode::OK, axum::Json(json!({"status": "ready", "schema": applied})))
+        }
+        Ok((applied, latest)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "not_ready", "code": "migrations_pending",
+                               "detail": format!("schema at {applied:?}, this binary needs {latest}")})),
+        ),
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "not_ready", "code": "store_unavailable", "detail": "the store cannot be reached"})),
+        ),
+    }
+}
+
+/// Checks `Authorization: Bearer <token>` against the configured tokens in
+/// constant time per token.
+pub(crate) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<&'static str, ApiError> {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or(ApiError::Unauthorized { detail: "send Authorization: Bearer <api token>" })?;
+    let mut ok = false;
+    for token in state.tokens.iter() {
+        ok |= constant_time_eq(token.expose().as_bytes(), given.as_bytes());
+    }
+    if ok { Ok(DEFAULT_TENANT) } else { Err(ApiError::Unauthorized { detail: "the api token is not valid" }) }
+}
+
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Reads a body up to `limit` bytes; larger is a 413 with our error shape.
+pub(crate) async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+        if too_large {
+            ApiError::PayloadTooLarge { detail: format!("the body must be at most {limit} bytes") }
+        } else {
+            ApiError::bad_request("unreadable_body", "the request body could not be read")
+        }
+    })
+}
+
+pub(crate) fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let ct = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        Ok(())
+    } else {
+        Err(ApiError::UnsupportedMediaType { detail: "send Content-Type: application/json".into() })
+    }
+}

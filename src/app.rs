@@ -1,0 +1,140 @@
+//! `Application`: everything approvald runs, built from a config on a
+//! pre-bound listener (tests bind port 0), stopped by one token.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{self, AppState};
+use crate::config::Config;
+use crate::pushary::PusharyClient;
+use crate::store::Store;
+use crate::worker::{EffectTarget, Engine, EngineSettings};
+
+pub struct Application {
+    listener: TcpListener,
+    state: AppState,
+    engine: Arc<Engine>,
+}
+
+impl Application {
+    /// Connects and migrates the store and wires the engine. Nothing runs
+    /// until `run_until`.
+    pub async fn build(config: Config, listener: TcpListener) -> anyhow::Result<Self> {
+        let store = Store::connect(&config.store).await.context("opening the store")?;
+        store.migrate().await.context("migrating the store")?;
+        let stale = store.release_all_leases().await?;
+        if stale > 0 {
+            tracing::info!(leases = stale, "released thread leases left by a previous process");
+        }
+        Self::with_store(config, listener, store, EngineSettings::from_config)
+    }
+
+    /// Like `build`, with engine settings adjusted (tests shorten timings).
+    pub async fn build_with(
+        config: Config,
+        listener: TcpListener,
+        adjust: impl FnOnce(&mut EngineSettings),
+    ) -> anyhow::Result<Self> {
+        let store = Store::connect(&config.store).await.context("opening the store")?;
+        store.migrate().await.context("migrating the store")?;
+        store.release_all_leases().await?;
+        Self::with_store(config, listener, store, |c| {
+            let mut s = EngineSettings::from_config(c);
+            adjust(&mut s);
+            s
+        })
+    }
+
+    fn with_store(
+        config: Config,
+        listener: TcpListener,
+        store: Store,
+        settings: impl FnOnce(&Config) -> EngineSettings,
+    ) -> anyhow::Result<Self> {
+        let api_key = config.pushary.api_key.clone().context("pushary.api_key is required")?;
+        let pushary = PusharyClient::new(&config.pushary.base_url, api_key, config.pushary_timeout())
+            .map_err(|e| anyhow::anyhow!("pushary client: {e}"))?;
+        let mut effects = HashMap::new();
+        for (name, e) in &config.effects {
+            let secret = e.secret.as_ref().context("effect secret validated at load")?;
+            let key = crate::webhooks::decode_secret(secret.expose()).map_err(|p| anyhow::anyhow!("{name}: {p}"))?;
+            effects.insert(
+                name.clone(),
+                EffectTarget { url: e.url.clone(), keys: vec![key], timeout: Duration::from_secs(e.timeout_secs) },
+            );
+        }
+        if config.pushary.webhook_secrets.is_empty() {
+            tracing::warn!("no pushary.webhook_secrets configured: every callback will be rejected");
+        }
+        if config.api.tokens.is_empty() {
+            tracing::warn!("no api.tokens configured: the operations API refuses every request");
+        }
+        let engine = Arc::new(Engine::new(store, pushary, effects, settings(&config), Arc::new(Notify::new())));
+        let state = AppState {
+            tokens: Arc::new(config.api.tokens.clone()),
+            webhook_secrets: Arc::new(config.pushary.webhook_secrets.clone()),
+            config: Arc::new(config),
+            engine: Arc::clone(&engine),
+        };
+        Ok(Self { listener, state, engine })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().expect("a bound listener has an address")
+    }
+
+    pub fn engine(&self) -> Arc<Engine> {
+        Arc::clone(&self.engine)
+    }
+
+    /// Serves the API and receiver and runs the workers and reconciler
+    /// until `shutdown` is cancelled, then drains and closes the store.
+    pub async fn run_until(self, shutdown: CancellationToken) -> anyhow::Result<()> {
+        let workers = self.engine.spawn(shutdown.clone());
+        let router = api::router(self.state);
+        tracing::info!(addr = %self.listener.local_addr()?, "approvald listening");
+        axum::serve(self.listener, router).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await?;
+        shutdown.cancel();
+        for w in workers {
+            let _ = w.await;
+        }
+        self.engine.store().close().await;
+        tracing::info!("approvald stopped");
+        Ok(())
+    }
+}
+
+/// A token cancelled by SIGINT or SIGTERM.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                .expect("installing a SIGTERM handler");
+            tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
+        }
+        #[cfg(not(unix))]
+        let _ = ctrl_c.await;
+        tracing::info!("shutting down");
+        t.cancel();
+    });
+    token
+}
+
+/// Logs go to stderr, pretty or JSON, filtered by config (or RUST_LOG).
+pub fn init_logging(format: &str, filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if format == "json" { builder.json().try_init() } else { builder.try_init() };
+}

@@ -1,0 +1,359 @@
+//! Configuration: commented defaults embedded in the binary, then a TOML
+//! file, then `APPROVALD_…` environment variables; validated once at start
+//! with errors that name the key.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Toml};
+use serde::Deserialize;
+
+use crate::secret::Secret;
+
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config: {0}")]
+    Load(String),
+    #[error("config: `{key}`: {problem}")]
+    Invalid { key: String, problem: String },
+}
+
+fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.into(), problem: problem.into() }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub api: ApiConfig,
+    pub pushary: PusharyConfig,
+    pub operations: OperationsConfig,
+    pub worker: WorkerConfig,
+    pub reconciler: ReconcilerConfig,
+    pub log: LogConfig,
+    #[serde(default)]
+    pub effects: BTreeMap<String, EffectConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    pub listen: String,
+    pub public_url: String,
+    pub max_callback_bytes: usize,
+    pub max_request_bytes: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    pub url: String,
+    pub sqlite_synchronous: String,
+    pub max_connections: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiConfig {
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub tokens: Vec<Secret>,
+    pub tokens_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PusharyConfig {
+    pub base_url: String,
+    pub api_key: Option<Secret>,
+    pub api_key_file: Option<PathBuf>,
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub webhook_secrets: Vec<Secret>,
+    pub webhook_secrets_file: Option<PathBuf>,
+    pub require_reachable: bool,
+    pub timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OperationsConfig {
+    pub default_expires_in_secs: u64,
+    pub max_expires_in_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    pub concurrency: usize,
+    pub lease_secs: u64,
+    pub retry_initial_ms: u64,
+    pub retry_max_secs: u64,
+    pub rejection_delivery_window_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcilerConfig {
+    pub interval_secs: u64,
+    pub poll_after_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    pub format: String,
+    pub filter: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EffectConfig {
+    pub url: String,
+    pub secret: Option<Secret>,
+    pub secret_file: Option<PathBuf>,
+    #[serde(default = "default_effect_timeout")]
+    pub timeout_secs: u64,
+}
+
+fn default_effect_timeout() -> u64 {
+    10
+}
+
+/// Environment variables hold one string; accept that as a one-element list.
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Secret>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(Secret),
+        Many(Vec<Secret>),
+    }
+    Ok(match OneOrMany::deserialize(d)? {
+        OneOrMany::One(s) if s.is_empty() => Vec::new(),
+        OneOrMany::One(s) => vec![s],
+        OneOrMany::Many(v) => v,
+    })
+}
+
+impl Config {
+    /// Loads defaults, then `file` (if any), then the environment.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Toml::string(DEFAULT_TOML));
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(ConfigError::Load(format!("file {} does not exist", path.display())));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        figment = figment.merge(Env::prefixed("APPROVALD_").split("__"));
+        Self::from_figment(figment)
+    }
+
+    /// Defaults plus a TOML string: what tests and `approvald dev` build on.
+    pub fn from_toml(overrides: &str) -> Result<Self, ConfigError> {
+        Self::from_figment(Figment::from(Toml::string(DEFAULT_TOML)).merge(Toml::string(overrides)))
+    }
+
+    fn from_figment(figment: Figment) -> Result<Self, ConfigError> {
+        // figment's error names the key path but never the value, so no secret leaks.
+        let mut config: Config = figment.extract().map_err(|e| {
+            let key = e.path.join(".");
+            let kind = e.kind.to_string();
+            if key.is_empty() { ConfigError::Load(kind) } else { invalid(key, kind) }
+        })?;
+        config.resolve_secret_files()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn resolve_secret_files(&mut self) -> Result<(), ConfigError> {
+        if let Some(path) = &self.api.tokens_file {
+            self.api.tokens.extend(read_lines("api.tokens_file", path)?);
+        }
+        if let Some(path) = &self.pushary.api_key_file {
+            self.pushary.api_key = read_lines("pushary.api_key_file", path)?.into_iter().next();
+        }
+        if let Some(path) = &self.pushary.webhook_secrets_file {
+            self.pushary.webhook_secrets.extend(read_lines("pushary.webhook_secrets_file", path)?);
+        }
+        for (name, effect) in &mut self.effects {
+            if let Some(path) = &effect.secret_file {
+                effect.secret = read_lines(&format!("effects.{name}.secret_file"), path)?.into_iter().next();
+            }
+        }
+        Ok(())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.listen_addr()?;
+        let public = url::Url::parse(&self.server.public_url)
+            .map_err(|e| invalid("server.public_url", format!("not a URL: {e}")))?;
+        if !matches!(public.scheme(), "http" | "https") {
+            return Err(invalid("server.public_url", "must be an http or https URL"));
+        }
+        if self.server.max_callback_bytes < 1024 {
+            return Err(invalid("server.max_callback_bytes", "must be at least 1024"));
+        }
+        if self.server.max_request_bytes < 1024 {
+            return Err(invalid("server.max_request_bytes", "must be at least 1024"));
+        }
+        if !(self.store.url.starts_with("sqlite:") || self.store.url.starts_with("postgres")) {
+            return Err(invalid("store.url", "must start with sqlite:// or postgres://"));
+        }
+        if !matches!(self.store.sqlite_synchronous.as_str(), "full" | "normal" | "extra") {
+            return Err(invalid("store.sqlite_synchronous", "must be \"full\", \"extra\" or \"normal\""));
+        }
+        if self.store.max_connections == 0 {
+            return Err(invalid("store.max_connections", "must be at least 1"));
+        }
+        for (i, t) in self.api.tokens.iter().enumerate() {
+            if t.expose().len() < 16 {
+                return Err(invalid(format!("api.tokens[{i}]"), "must be at least 16 characters"));
+            }
+        }
+        let base = url::Url::parse(&self.pushary.base_url)
+            .map_err(|e| invalid("pushary.base_url", format!("not a URL: {e}")))?;
+        if !matches!(base.scheme(), "http" | "https") {
+            return Err(invalid("pushary.base_url", "must be an http or https URL"));
+        }
+        match &self.pushary.api_key {
+            None => return Err(invalid("pushary.api_key", "is required (or pushary.api_key_file)")),
+            Some(k) => validate_api_key(k.expose()).map_err(|p| invalid("pushary.api_key", p))?,
+        }
+        for (i, s) in self.pushary.webhook_secrets.iter().enumerate() {
+            if s.is_empty() {
+                return Err(invalid(format!("pushary.webhook_secrets[{i}]"), "must not be empty"));
+            }
+        }
+        if self.pushary.timeout_secs == 0 {
+            return Err(invalid("pushary.timeout_secs", "must be at least 1"));
+        }
+        let ops = &self.operations;
+        if ops.max_expires_in_secs == 0 {
+            return Err(invalid("operations.max_expires_in_secs", "must be at least 1"));
+        }
+        if ops.default_expires_in_secs == 0 || ops.default_expires_in_secs > ops.max_expires_in_secs {
+            return Err(invalid(
+                "operations.default_expires_in_secs",
+                "must be between 1 and operations.max_expires_in_secs",
+            ));
+        }
+        let w = &self.worker;
+        if w.concurrency == 0 {
+            return Err(invalid("worker.concurrency", "must be at least 1"));
+        }
+        if w.lease_secs < 2 {
+            return Err(invalid("worker.lease_secs", "must be at least 2"));
+        }
+        if w.retry_initial_ms == 0 || w.retry_max_secs == 0 {
+            return Err(invalid("worker.retry_initial_ms", "retry delays must be positive"));
+        }
+        if self.reconciler.interval_secs == 0 {
+            return Err(invalid("reconciler.interval_secs", "must be at least 1"));
+        }
+        if !matches!(self.log.format.as_str(), "pretty" | "json") {
+            return Err(invalid("log.format", "must be \"pretty\" or \"json\""));
+        }
+        for (name, effect) in &self.effects {
+            crate::domain::operation::validate_name(name)
+                .map_err(|p| invalid(format!("effects.{name}"), format!("bad target name: {p}")))?;
+            let u = url::Url::parse(&effect.url)
+                .map_err(|e| invalid(format!("effects.{name}.url"), format!("not a URL: {e}")))?;
+            if !matches!(u.scheme(), "http" | "https") {
+                return Err(invalid(format!("effects.{name}.url"), "must be an http or https URL"));
+            }
+            match &effect.secret {
+                None => return Err(invalid(format!("effects.{name}.secret"), "is required")),
+                Some(s) => crate::webhooks::decode_secret(s.expose())
+                    .map_err(|p| invalid(format!("effects.{name}.secret"), p))?,
+            };
+            if effect.timeout_secs == 0 {
+                return Err(invalid(format!("effects.{name}.timeout_secs"), "must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        self.server
+            .listen
+            .parse()
+            .map_err(|_| invalid("server.listen", "must be an address like 127.0.0.1:8080"))
+    }
+
+    pub fn callback_url(&self) -> String {
+        format!("{}/v1/callbacks/pushary", self.server.public_url.trim_end_matches('/'))
+    }
+
+    pub fn pushary_timeout(&self) -> Duration {
+        Duration::from_secs(self.pushary.timeout_secs)
+    }
+}
+
+/// The SDK refuses a key without a `.` before any request; so do we.
+pub fn validate_api_key(key: &str) -> Result<(), String> {
+    if key.trim().is_empty() {
+        return Err("must not be empty".into());
+    }
+    if !key.contains('.') {
+        return Err("must have the form pk_<id>.<secret> (no `.` found)".into());
+    }
+    if key.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err("must not contain whitespace".into());
+    }
+    Ok(())
+}
+
+fn read_lines(key: &str, path: &Path) -> Result<Vec<Secret>, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))?;
+    Ok(text.lines().map(str::trim).filter(|l| !l.is_empty()).map(Secret::new).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"
+        [pushary]
+        api_key = "pk_test.abc"
+    "#;
+
+    #[test]
+    fn defaults_plus_a_key_are_valid() {
+        let c = Config::from_toml(MIN).expect("valid");
+        assert_eq!(c.server.max_callback_bytes, 65536);
+        assert_eq!(c.callback_url(), "http://127.0.0.1:8080/v1/callbacks/pushary");
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let e = Config::from_toml("[pushary]\napi_key = \"nodot\"").unwrap_err().to_string();
+        assert!(e.contains("pushary.api_key"), "{e}");
+        assert!(!e.contains("nodot"), "the secret must not be echoed: {e}");
+        let e = Config::from_toml(&format!("{MIN}\n[worker]\nconcurrency = 0")).unwrap_err().to_string();
+        assert!(e.contains("worker.concurrency"), "{e}");
+        let e = Config::from_toml(&format!("{MIN}\n[server]\nlisten = \"nope\"")).unwrap_err().to_string();
+        assert!(e.contains("server.listen"), "{e}");
+        let e = Config::from_toml(&format!("{MIN}\n[worker]\nconcurency = 3")).unwrap_err().to_string();
+        assert!(e.contains("concurency"), "{e}");
+        let e = Config::from_toml(&format!("{MIN}\n[effects.x]\nurl = \"http://a\"\nsecret = \"bad\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("effects.x.secret") && !e.contains("\"bad\""), "{e}");
+        let e = Config::from_toml("").unwrap_err().to_string();
+        assert!(e.contains("pushary.api_key"), "{e}");
+    }
+
+    #[test]
+    fn api_key_needs_a_dot() {
+        assert!(validate_api_key("pk_abc.def").is_ok());
+        assert!(validate_api_key("pk_abcdef").is_err());
+        assert!(validate_api_key("").is_err());
+    }
+}

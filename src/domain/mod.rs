@@ -1,0 +1,6 @@
+//! Pure domain logic: no I/O, unit-tested exhaustively.
+
+pub mod answer;
+pub mod keys;
+pub mod operation;
+pub mod state;

@@ -1,0 +1,25 @@
+//! approvald: durable human approvals for AI agents.
+//!
+//! The library runs everything from a [`config::Config`]; `main.rs` is only
+//! the command line. See DESIGN.md for the moving parts.
+
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod app;
+pub mod clock;
+pub mod config;
+pub mod dev;
+pub mod domain;
+pub mod error;
+pub mod fault;
+pub mod http;
+pub mod pushary;
+pub mod sandbox;
+pub mod secret;
+pub mod store;
+pub mod webhooks;
+pub mod worker;
+
+pub use app::Application;
+pub use config::Config;

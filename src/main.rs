@@ -1,0 +1,206 @@
+//! The `approvald` command line. Everything it runs lives in the library.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use approvald::app::{Application, init_logging, shutdown_on_signal};
+use approvald::config::{Config, StoreConfig};
+use approvald::domain::state::State;
+use approvald::store::{OperationFilter, Store};
+use clap::{Args, Parser, Subcommand};
+
+/// Durable human approvals for AI agents: opens Pushary decisions, receives
+/// their signed callbacks into a durable inbox, and resumes each operation
+/// exactly once (permit consumed before the effect, outcome delivered to
+/// the application's effect target).
+#[derive(Parser)]
+#[command(name = "approvald", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the API, the callback receiver, the resume workers and the reconciler.
+    Serve(ConfigArg),
+    /// Run approvald on a local SQLite file with the built-in Pushary sandbox
+    /// and an example effect target: the whole loop on one machine.
+    Dev {
+        /// Port for approvald's API and receiver.
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Port for the Pushary sandbox and its page.
+        #[arg(long, default_value_t = 8090)]
+        sandbox_port: u16,
+        /// SQLite file for the dev store.
+        #[arg(long, default_value = "approvald-dev.db")]
+        db: PathBuf,
+    },
+    /// Create or upgrade the store's schema (safe to run again).
+    Migrate(ConfigArg),
+    /// Inspect operations.
+    #[command(subcommand)]
+    Ops(OpsCommand),
+}
+
+#[derive(Args)]
+struct ConfigArg {
+    /// TOML config file; defaults and APPROVALD_* environment variables apply too.
+    #[arg(long, short = 'c', env = "APPROVALD_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct StoreArg {
+    #[command(flatten)]
+    config: ConfigArg,
+    /// Read this SQLite file directly instead of the configured store.
+    #[arg(long)]
+    db: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum OpsCommand {
+    /// List operations, newest first.
+    List {
+        #[command(flatten)]
+        store: StoreArg,
+        /// Only operations in this state (e.g. pending, uncertain).
+        #[arg(long)]
+        state: Option<String>,
+        /// Only operations of this thread.
+        #[arg(long)]
+        thread: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Show one operation: state, outcome and its transition history.
+    Show {
+        #[command(flatten)]
+        store: StoreArg,
+        id: String,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("approvald: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Serve(c) => {
+            let config = Config::load(c.config.as_deref())?;
+            init_logging(&config.log.format, &config.log.filter);
+            let listener = tokio::net::TcpListener::bind(config.listen_addr()?).await?;
+            Application::build(config, listener).await?.run_until(shutdown_on_signal()).await
+        }
+        Command::Dev { port, sandbox_port, db } => {
+            init_logging("pretty", "info");
+            approvald::dev::run(approvald::dev::DevOptions { port, sandbox_port, db }).await
+        }
+        Command::Migrate(c) => {
+            let config = Config::load(c.config.as_deref())?;
+            let store = Store::connect(&config.store).await?;
+            store.migrate().await?;
+            let (applied, _) = store.migration_status().await?;
+            println!("schema is at version {}", applied.unwrap_or(0));
+            Ok(())
+        }
+        Command::Ops(cmd) => ops(cmd).await,
+    }
+}
+
+async fn open_store(arg: &StoreArg) -> anyhow::Result<Store> {
+    let store_config = match &arg.db {
+        Some(path) => {
+            if !path.exists() {
+                anyhow::bail!("--db: {} does not exist", path.display());
+            }
+            StoreConfig {
+                url: format!("sqlite://{}", path.display()),
+                sqlite_synchronous: "full".into(),
+                max_connections: 1,
+            }
+        }
+        None => Config::load(arg.config.config.as_deref())?.store,
+    };
+    Ok(Store::connect(&store_config).await?)
+}
+
+async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
+    match cmd {
+        OpsCommand::List { store, state, thread, limit } => {
+            let state = state
+                .map(|s| s.parse::<State>())
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("--state: {e}"))?;
+            if !(1..=10_000).contains(&limit) {
+                anyhow::bail!("--limit: must be between 1 and 10000");
+            }
+            let store = open_store(&store).await?;
+            let ops = store.list_operations(&OperationFilter { tenant: None, state, thread_id: thread, limit }).await?;
+            println!("{:<30} {:<12} {:<20} {:<20} {:<24}", "ID", "STATE", "THREAD", "KEY", "UPDATED");
+            for op in &ops {
+                println!(
+                    "{:<30} {:<12} {:<20} {:<20} {:<24}",
+                    op.id,
+                    op.state.as_str(),
+                    clip(&op.thread_id, 20),
+                    clip(&op.operation_key, 20),
+                    approvald::clock::rfc3339(op.updated_at)
+                );
+            }
+            println!("{} operation(s)", ops.len());
+            Ok(())
+        }
+        OpsCommand::Show { store, id } => {
+            let store = open_store(&store).await?;
+            let op = store.get_operation(None, &id).await?.ok_or_else(|| anyhow::anyhow!("no operation `{id}`"))?;
+            let ts = approvald::clock::rfc3339;
+            println!("operation   {}", op.id);
+            println!("state       {}", op.state);
+            println!("key         {}", op.operation_key);
+            println!("thread      {}  interrupt {}", op.thread_id, op.interrupt_id);
+            println!("question    {} ({})", op.spec.question, op.decision_type);
+            println!("recipient   {}", op.spec.external_id);
+            println!("effect      {}", op.effect);
+            println!("decision    {}", op.decision_id.as_deref().unwrap_or("-"));
+            println!("answer      {}", op.answer.as_deref().unwrap_or("-"));
+            println!("permit      {}", op.permit_id.as_deref().unwrap_or("-"));
+            println!("outcome     {}  delivery {}  receipt {}", op.outcome_status.as_deref().unwrap_or("-"),
+                op.delivery.as_deref().unwrap_or("-"), op.receipt.as_deref().unwrap_or("-"));
+            println!("deadline    {}", ts(op.deadline));
+            if let Some(e) = &op.last_error {
+                println!("last error  {e}");
+            }
+            println!("\nhistory");
+            for t in store.transitions(&op.id).await? {
+                println!("  {}  {:>11} → {:<11} {}  ({})", ts(t.at), t.from.as_deref().unwrap_or("-"), t.to, t.cause, t.actor);
+            }
+            let deliveries = store.deliveries(&op.id).await?;
+            if !deliveries.is_empty() {
+                println!("\ndeliveries");
+                for d in deliveries {
+                    println!("  #{} {}  {}  {}", d.attempt, ts(d.started_at),
+                        d.status_code.map_or_else(|| "-".to_string(), |c| c.to_string()), d.error.unwrap_or_default());
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+fn clip(s: &str, n: usize) -> String {
+    if s.chars().count() <= n { s.to_string() } else { format!("{}…", s.chars().take(n - 1).collect::<String>()) }
+}

@@ -1,0 +1,68 @@
+//! The durable store: operations, their transitions, the callback inbox,
+//! delivery attempts and per-thread leases. SQLite (WAL) for one node.
+//!
+//! Every write to an operation is a compare-and-set on its `version`, in
+//! the same transaction as its transition rows (and the inbox row it
+//! consumes), so two workers can never both move one operation.
+
+mod rows;
+mod sqlite;
+
+pub use rows::{DeliveryRecord, InboxEntry, Operation, Transition};
+pub use sqlite::Store;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error("store data is corrupt: {0}")]
+    Corrupt(String),
+    #[error("migration failed: {0}")]
+    Migrate(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) | sqlx::Error::ColumnNotFound(_) => {
+                StoreError::Corrupt(e.to_string())
+            }
+            other => StoreError::Unavailable(other.to_string()),
+        }
+    }
+}
+
+/// Result of inserting an operation under its (tenant, key).
+#[derive(Debug)]
+pub enum Inserted {
+    Created,
+    Existing(Box<Operation>),
+}
+
+/// Result of committing a callback to the inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InboxInsert {
+    Stored(i64),
+    Duplicate(i64),
+}
+
+/// A verified answer about to enter the inbox.
+#[derive(Debug, Clone)]
+pub struct NewInboxEntry<'a> {
+    pub tenant: &'a str,
+    pub correlation_id: &'a str,
+    pub answer: &'a str,
+    pub answered_at: Option<&'a str>,
+    pub body: &'a [u8],
+    pub source: &'a str,
+    pub received_at: i64,
+}
+
+/// Filter for listing operations.
+#[derive(Debug, Clone, Default)]
+pub struct OperationFilter {
+    pub tenant: Option<String>,
+    pub state: Option<crate::domain::state::State>,
+    pub thread_id: Option<String>,
+    pub limit: i64,
+}

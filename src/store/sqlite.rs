@@ -1,0 +1,544 @@
+//! SQLite statements. Write transactions start with `BEGIN IMMEDIATE` so a
+//! read-then-write never deadlocks on the lock upgrade; `busy_timeout`
+//! queues writers instead of failing them.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{AssertSqlSafe, Row, SqlStr};
+
+use super::rows::{DeliveryRecord, InboxEntry, Operation, Transition};
+use super::{InboxInsert, Inserted, NewInboxEntry, OperationFilter, StoreError};
+use crate::config::StoreConfig;
+
+macro_rules! op_cols {
+    () => {
+        "id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, decision_type, spec, \
+         decision_request, state, decision_id, answer, permit_id, delivery, outcome_status, idempotency_key, \
+         result, receipt, receipt_outcome, consume_inflight, consume_attempts, delivery_inflight, attempts, \
+         last_error, due_at, deadline, poll_at, opened_at, created_at, updated_at, version"
+    };
+}
+
+macro_rules! inbox_cols {
+    () => {
+        "id, tenant, correlation_id, answer, answered_at, source, state, received_at, duplicates, \
+         operation_id, processed_at, note"
+    };
+}
+
+/// Our migrations table is named for us so no other library's collides.
+const MIGRATIONS_TABLE: &str = "approvald_migrations";
+
+fn migrator() -> Migrator {
+    let files: &[(i64, &str, &str)] = &[(1, "init", include_str!("../../migrations/sqlite/0001_init.sql"))];
+    let migrations = files
+        .iter()
+        .map(|(v, d, sql)| Migration::new(*v, (*d).into(), MigrationType::Simple, SqlStr::from_static(sql), false))
+        .collect();
+    let mut m = Migrator::with_migrations(migrations);
+    m.dangerous_set_table_name(MIGRATIONS_TABLE);
+    m
+}
+
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: SqlitePool,
+}
+
+impl Store {
+    pub async fn connect(config: &StoreConfig) -> Result<Self, StoreError> {
+        let synchronous = match config.sqlite_synchronous.as_str() {
+            "normal" => SqliteSynchronous::Normal,
+            "extra" => SqliteSynchronous::Extra,
+            _ => SqliteSynchronous::Full,
+        };
+        let options = SqliteConnectOptions::from_str(&config.url)
+            .map_err(|e| StoreError::Unavailable(format!("bad store.url: {e}")))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(synchronous)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(config.max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options)
+            .await?;
+        Ok(Self { pool })
+    }
+
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        migrator().run(&self.pool).await.map_err(|e| StoreError::Migrate(e.to_string()))
+    }
+
+    /// The newest migration applied, and the newest this binary knows.
+    pub async fn migration_status(&self) -> Result<(Option<i64>, i64), StoreError> {
+        let latest = migrator().iter().map(|m| m.version).max().unwrap_or(0);
+        let applied: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT MAX(version) FROM {MIGRATIONS_TABLE} WHERE success = 1"
+        )))
+        .fetch_one(&self.pool)
+        .await
+        .unwrap_or(None);
+        Ok((applied, latest))
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    // ---- operations -------------------------------------------------------------------------
+
+    /// Inserts a new operation, or returns the one already stored under its key.
+    pub async fn insert_operation(&self, op: &Operation, first: &Transition) -> Result<Inserted, StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let done = sqlx::query(
+            "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+             decision_type, spec, decision_request, state, idempotency_key, due_at, deadline, created_at, \
+             updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?15) \
+             ON CONFLICT (tenant, operation_key) DO NOTHING",
+        )
+        .bind(&op.id)
+        .bind(&op.tenant)
+        .bind(&op.operation_key)
+        .bind(&op.fingerprint)
+        .bind(&op.thread_id)
+        .bind(&op.interrupt_id)
+        .bind(&op.effect)
+        .bind(op.decision_type.as_str())
+        .bind(serde_json::to_string(&op.spec).expect("spec serializes"))
+        .bind(op.decision_request.to_string())
+        .bind(op.state.as_str())
+        .bind(&op.idempotency_key)
+        .bind(op.due_at)
+        .bind(op.deadline)
+        .bind(op.created_at)
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() == 0 {
+            let row = sqlx::query(concat!("SELECT ", op_cols!(), " FROM operations WHERE tenant = ?1 AND operation_key = ?2"))
+                .bind(&op.tenant)
+                .bind(&op.operation_key)
+                .fetch_one(&mut *tx)
+                .await?;
+            tx.rollback().await?;
+            return Ok(Inserted::Existing(Box::new(Operation::from_row(&row)?)));
+        }
+        insert_transition(&mut tx, &op.id, first).await?;
+        tx.commit().await?;
+        Ok(Inserted::Created)
+    }
+
+    pub async fn get_operation(&self, tenant: Option<&str>, id: &str) -> Result<Option<Operation>, StoreError> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            op_cols!(),
+            " FROM operations WHERE id = ?1 AND (?2 IS NULL OR tenant = ?2)"
+        ))
+        .bind(id)
+        .bind(tenant)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(Operation::from_row).transpose()
+    }
+
+    pub async fn list_operations(&self, f: &OperationFilter) -> Result<Vec<Operation>, StoreError> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            op_cols!(),
+            " FROM operations WHERE (?1 IS NULL OR tenant = ?1) AND (?2 IS NULL OR state = ?2) \
+              AND (?3 IS NULL OR thread_id = ?3) ORDER BY created_at DESC, id DESC LIMIT ?4"
+        ))
+        .bind(f.tenant.as_deref())
+        .bind(f.state.map(|s| s.as_str()))
+        .bind(f.thread_id.as_deref())
+        .bind(if f.limit > 0 { f.limit } else { 100 })
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(Operation::from_row).collect()
+    }
+
+    pub async fn transitions(&self, operation_id: &str) -> Result<Vec<Transition>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT from_state, to_state, at, cause, actor FROM transitions WHERE operation_id = ?1 ORDER BY id",
+        )
+        .bind(operation_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(Transition::from_row).collect()
+    }
+
+    pub async fn deliveries(&self, operation_id: &str) -> Result<Vec<DeliveryRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT operation_id, attempt, started_at, duration_ms, status_code, error, response_body \
+             FROM deliveries WHERE operation_id = ?1 ORDER BY id",
+        )
+        .bind(operation_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(DeliveryRecord::from_row).collect()
+    }
+
+    /// Writes every mutable column of `op` if nobody changed it since it was
+    /// read, with its new transitions and (optionally) the inbox row it
+    /// consumed, in one transaction. Returns false on a lost race.
+    pub async fn save(
+        &self,
+        op: &mut Operation,
+        transitions: &[Transition],
+        inbox: Option<(i64, &str, Option<&str>)>,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let done = sqlx::query(
+            "UPDATE operations SET state = ?1, decision_id = ?2, answer = ?3, permit_id = ?4, delivery = ?5, \
+             outcome_status = ?6, result = ?7, receipt = ?8, receipt_outcome = ?9, consume_inflight = ?10, \
+             consume_attempts = ?11, delivery_inflight = ?12, attempts = ?13, last_error = ?14, due_at = ?15, \
+             poll_at = ?16, opened_at = ?17, updated_at = ?18, version = version + 1 \
+             WHERE id = ?19 AND version = ?20",
+        )
+        .bind(op.state.as_str())
+        .bind(&op.decision_id)
+        .bind(&op.answer)
+        .bind(&op.permit_id)
+        .bind(&op.delivery)
+        .bind(&op.outcome_status)
+        .bind(&op.result)
+        .bind(&op.receipt)
+        .bind(&op.receipt_outcome)
+        .bind(i64::from(op.consume_inflight))
+        .bind(op.consume_attempts)
+        .bind(i64::from(op.delivery_inflight))
+        .bind(op.attempts)
+        .bind(&op.last_error)
+        .bind(op.due_at)
+        .bind(op.poll_at)
+        .bind(op.opened_at)
+        .bind(op.updated_at)
+        .bind(&op.id)
+        .bind(op.version)
+        .execute(&mut *tx)
+        .await?;
+        if done.rows_affected() == 0 {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        for t in transitions {
+            insert_transition(&mut tx, &op.id, t).await?;
+        }
+        if let Some((inbox_id, state, note)) = inbox {
+            sqlx::query(
+                "UPDATE inbox SET state = ?1, note = ?2, operation_id = ?3, processed_at = ?4 WHERE id = ?5",
+            )
+            .bind(state)
+            .bind(note)
+            .bind(&op.id)
+            .bind(op.updated_at)
+            .bind(inbox_id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        op.version += 1;
+        Ok(true)
+    }
+
+    pub async fn record_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, \
+             response_body) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )
+        .bind(&d.operation_id)
+        .bind(d.attempt)
+        .bind(d.started_at)
+        .bind(d.duration_ms)
+        .bind(d.status_code)
+        .bind(&d.error)
+        .bind(&d.response_body)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    // ---- inbox ------------------------------------------------------------------------------
+
+    /// Commits a verified callback. One row per (tenant, correlation id):
+    /// a decision has one answer, so any later body for it is a duplicate.
+    pub async fn insert_inbox(&self, e: &NewInboxEntry<'_>) -> Result<InboxInsert, StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let inserted: Option<i64> = sqlx::query_scalar(
+            "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
+             received_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'new', ?8) \
+             ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id",
+        )
+        .bind(e.tenant)
+        .bind(e.correlation_id)
+        .bind(e.answer)
+        .bind(e.answered_at)
+        .bind(e.body)
+        .bind(crate::domain::keys::sha256_hex(e.body))
+        .bind(e.source)
+        .bind(e.received_at)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let result = match inserted {
+            Some(id) => InboxInsert::Stored(id),
+            None => {
+                let id: i64 = sqlx::query_scalar(
+                    "UPDATE inbox SET duplicates = duplicates + 1 WHERE tenant = ?1 AND correlation_id = ?2 \
+                     RETURNING id",
+                )
+                .bind(e.tenant)
+                .bind(e.correlation_id)
+                .fetch_one(&mut *tx)
+                .await?;
+                InboxInsert::Duplicate(id)
+            }
+        };
+        tx.commit().await?;
+        Ok(result)
+    }
+
+    pub async fn list_inbox(&self, state: Option<&str>, limit: i64) -> Result<Vec<InboxEntry>, StoreError> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            inbox_cols!(),
+            " FROM inbox WHERE (?1 IS NULL OR state = ?1) ORDER BY id DESC LIMIT ?2"
+        ))
+        .bind(state)
+        .bind(if limit > 0 { limit } else { 100 })
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(InboxEntry::from_row).collect()
+    }
+
+    pub async fn inbox_by_correlation(
+        &self,
+        tenant: &str,
+        correlation_id: &str,
+    ) -> Result<Option<InboxEntry>, StoreError> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            inbox_cols!(),
+            " FROM inbox WHERE tenant = ?1 AND correlation_id = ?2"
+        ))
+        .bind(tenant)
+        .bind(correlation_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(InboxEntry::from_row).transpose()
+    }
+
+    // ---- work selection and leases -----------------------------------------------------------
+
+    /// Threads with something to do now: a matched inbox entry, or an
+    /// operation whose `due_at` has come. Leased threads are skipped.
+    pub async fn threads_with_work(&self, now: i64, limit: i64) -> Result<Vec<(String, String)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT tenant, thread_id FROM ( \
+               SELECT o.tenant, o.thread_id, o.due_at AS t FROM operations o WHERE o.due_at <= ?1 \
+               UNION ALL \
+               SELECT o.tenant, o.thread_id, i.received_at AS t FROM inbox i \
+                 JOIN operations o ON o.tenant = i.tenant AND o.decision_id = i.correlation_id \
+                 WHERE i.state = 'new') w \
+             WHERE NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = w.tenant \
+                               AND l.thread_id = w.thread_id AND l.until > ?1) \
+             GROUP BY tenant, thread_id ORDER BY MIN(t) LIMIT ?2",
+        )
+        .bind(now)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(|r| Ok((r.try_get("tenant")?, r.try_get("thread_id")?))).collect()
+    }
+
+    /// Takes the thread if it is free or its lease has run out.
+    pub async fn acquire_lease(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        owner: &str,
+        now: i64,
+        until: i64,
+    ) -> Result<bool, StoreError> {
+        let got: Option<String> = sqlx::query_scalar(
+            "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES (?1, ?2, ?3, ?5) \
+             ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until \
+             WHERE thread_leases.until <= ?4 OR thread_leases.owner = excluded.owner \
+             RETURNING owner",
+        )
+        .bind(tenant)
+        .bind(thread_id)
+        .bind(owner)
+        .bind(now)
+        .bind(until)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(got.as_deref() == Some(owner))
+    }
+
+    /// Extends a lease we hold; false means it was lost to another worker.
+    pub async fn renew_lease(&self, tenant: &str, thread_id: &str, owner: &str, until: i64) -> Result<bool, StoreError> {
+        let done = sqlx::query("UPDATE thread_leases SET until = ?4 WHERE tenant = ?1 AND thread_id = ?2 AND owner = ?3")
+            .bind(tenant)
+            .bind(thread_id)
+            .bind(owner)
+            .bind(until)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    pub async fn release_lease(&self, tenant: &str, thread_id: &str, owner: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM thread_leases WHERE tenant = ?1 AND thread_id = ?2 AND owner = ?3")
+            .bind(tenant)
+            .bind(thread_id)
+            .bind(owner)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// SQLite serves one node, so at start no other process can hold a
+    /// lease: whatever is there was left by a process that died.
+    pub async fn release_all_leases(&self) -> Result<u64, StoreError> {
+        Ok(sqlx::query("DELETE FROM thread_leases").execute(&self.pool).await?.rows_affected())
+    }
+
+    /// The thread's oldest unprocessed inbox entry that matches an operation.
+    pub async fn next_inbox_for_thread(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+    ) -> Result<Option<(InboxEntry, Operation)>, StoreError> {
+        let row = sqlx::query(
+            "SELECT i.id FROM inbox i JOIN operations o ON o.tenant = i.tenant AND o.decision_id = i.correlation_id \
+             WHERE i.state = 'new' AND o.tenant = ?1 AND o.thread_id = ?2 ORDER BY i.id LIMIT 1",
+        )
+        .bind(tenant)
+        .bind(thread_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let inbox_id: i64 = row.try_get("id")?;
+        let entry = sqlx::query(concat!("SELECT ", inbox_cols!(), " FROM inbox WHERE id = ?1"))
+            .bind(inbox_id)
+            .fetch_one(&self.pool)
+            .await?;
+        let entry = InboxEntry::from_row(&entry)?;
+        let op = sqlx::query(concat!("SELECT ", op_cols!(), " FROM operations WHERE tenant = ?1 AND decision_id = ?2"))
+            .bind(tenant)
+            .bind(&entry.correlation_id)
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(Some((entry, Operation::from_row(&op)?)))
+    }
+
+    pub async fn next_due_for_thread(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        now: i64,
+    ) -> Result<Option<Operation>, StoreError> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            op_cols!(),
+            " FROM operations WHERE tenant = ?1 AND thread_id = ?2 AND due_at <= ?3 ORDER BY due_at, created_at LIMIT 1"
+        ))
+        .bind(tenant)
+        .bind(thread_id)
+        .bind(now)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(Operation::from_row).transpose()
+    }
+
+    /// When the earliest scheduled step is due, so idle workers sleep until then.
+    pub async fn next_due_at(&self) -> Result<Option<i64>, StoreError> {
+        Ok(sqlx::query_scalar("SELECT MIN(due_at) FROM operations WHERE due_at IS NOT NULL")
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    /// Marks an inbox entry that changes nothing (its operation moved on).
+    pub async fn settle_inbox(
+        &self,
+        id: i64,
+        state: &str,
+        note: &str,
+        operation_id: Option<&str>,
+        at: i64,
+    ) -> Result<(), StoreError> {
+        sqlx::query("UPDATE inbox SET state = ?1, note = ?2, operation_id = ?3, processed_at = ?4 WHERE id = ?5")
+            .bind(state)
+            .bind(note)
+            .bind(operation_id)
+            .bind(at)
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    // ---- reconciler -------------------------------------------------------------------------
+
+    pub async fn pending_past_deadline(&self, now: i64, limit: i64) -> Result<Vec<Operation>, StoreError> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            op_cols!(),
+            " FROM operations WHERE state = 'pending' AND deadline <= ?1 ORDER BY deadline LIMIT ?2"
+        ))
+        .bind(now)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(Operation::from_row).collect()
+    }
+
+    pub async fn polls_due(&self, now: i64, limit: i64) -> Result<Vec<Operation>, StoreError> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            op_cols!(),
+            " FROM operations WHERE poll_at <= ?1 AND state = 'pending' ORDER BY poll_at LIMIT ?2"
+        ))
+        .bind(now)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(Operation::from_row).collect()
+    }
+
+    /// Counts for a summary: operations by state.
+    pub async fn count_by_state(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let rows = sqlx::query("SELECT state, COUNT(*) AS n FROM operations GROUP BY state ORDER BY state")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(|r| Ok((r.try_get("state")?, r.try_get("n")?))).collect()
+    }
+}
+
+async fn insert_transition(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    operation_id: &str,
+    t: &Transition,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )
+    .bind(operation_id)
+    .bind(&t.from)
+    .bind(&t.to)
+    .bind(t.at)
+    .bind(&t.cause)
+    .bind(&t.actor)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}

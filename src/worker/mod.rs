@@ -1,0 +1,204 @@
+//! The resume engine: workers that take one thread at a time (by lease),
+//! process its inbox entries in arrival order and drive its operations one
+//! step at a time; and the reconciler's sweeps.
+
+mod cancel;
+mod delivery;
+mod reconciler;
+mod steps;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+pub use cancel::CancelError;
+pub use delivery::{EffectTarget, outcome_body};
+pub use reconciler::Sweep;
+
+use crate::clock::now_ms;
+use crate::config::Config;
+use crate::pushary::PusharyClient;
+use crate::store::{Store, StoreError};
+
+/// Timings and switches the engine takes from configuration.
+#[derive(Debug, Clone)]
+pub struct EngineSettings {
+    pub lease_ms: i64,
+    pub retry_initial_ms: u64,
+    pub retry_max_ms: u64,
+    pub rejection_window_ms: i64,
+    pub poll_after_ms: i64,
+    pub reconcile_every: Duration,
+    pub concurrency: usize,
+    /// Safety-net poll for work when no wake-up arrives.
+    pub idle_poll: Duration,
+}
+
+impl EngineSettings {
+    pub fn from_config(c: &Config) -> Self {
+        Self {
+            lease_ms: secs_ms(c.worker.lease_secs),
+            retry_initial_ms: c.worker.retry_initial_ms,
+            retry_max_ms: c.worker.retry_max_secs.saturating_mul(1000),
+            rejection_window_ms: secs_ms(c.worker.rejection_delivery_window_secs),
+            poll_after_ms: secs_ms(c.reconciler.poll_after_secs),
+            reconcile_every: Duration::from_secs(c.reconciler.interval_secs),
+            concurrency: c.worker.concurrency,
+            idle_poll: Duration::from_secs(5),
+        }
+    }
+}
+
+fn secs_ms(s: u64) -> i64 {
+    i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX)
+}
+
+pub struct Engine {
+    pub(crate) store: Store,
+    pub(crate) pushary: PusharyClient,
+    pub(crate) effects: HashMap<String, EffectTarget>,
+    pub(crate) http: reqwest::Client,
+    pub(crate) settings: EngineSettings,
+    pub(crate) wake: Arc<Notify>,
+    owner: String,
+    next_owner: AtomicU64,
+}
+
+impl Engine {
+    pub fn new(
+        store: Store,
+        pushary: PusharyClient,
+        effects: HashMap<String, EffectTarget>,
+        settings: EngineSettings,
+        wake: Arc<Notify>,
+    ) -> Self {
+        let http = crate::http::client_builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .expect("an HTTP client with default TLS builds");
+        let owner = format!("{}-{:08x}", std::process::id(), rand::random::<u32>());
+        Self { store, pushary, effects, http, settings, wake, owner, next_owner: AtomicU64::new(0) }
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Wakes idle workers: new inbox entries, new operations, new due work.
+    pub fn wake(&self) {
+        self.wake.notify_waiters();
+    }
+
+    /// The delay before retry number `attempt` (1-based), exponential with
+    /// jitter, capped. Attempts are counted in the store, so the schedule
+    /// survives restarts.
+    pub(crate) fn backoff_ms(&self, attempt: i64) -> i64 {
+        let n = usize::try_from(attempt.max(1) - 1).unwrap_or(0).min(64);
+        let delay = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(self.settings.retry_initial_ms))
+            .with_max_delay(Duration::from_millis(self.settings.retry_max_ms))
+            .with_jitter()
+            .without_max_times()
+            .build()
+            .nth(n)
+            .unwrap_or(Duration::from_millis(self.settings.retry_max_ms));
+        i64::try_from(delay.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    /// Takes one thread that has work, does all of it that is due, and
+    /// releases it. Returns whether any thread was worked. Tests call this
+    /// to drain the queue without sleeping.
+    pub async fn try_execute_task(&self) -> Result<bool, StoreError> {
+        let owner = format!("{}/{}", self.owner, self.next_owner.fetch_add(1, Ordering::Relaxed));
+        let now = now_ms();
+        for (tenant, thread) in self.store.threads_with_work(now, 16).await? {
+            if self.store.acquire_lease(&tenant, &thread, &owner, now, now + self.settings.lease_ms).await? {
+                let result = self.work_thread(&tenant, &thread, &owner).await;
+                // Release even after an error, so the thread does not wait out the lease.
+                let released = self.store.release_lease(&tenant, &thread, &owner).await;
+                result?;
+                released?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    async fn work_thread(&self, tenant: &str, thread: &str, owner: &str) -> Result<(), StoreError> {
+        // Bounded, so one busy thread cannot starve the others.
+        for _ in 0..64 {
+            let now = now_ms();
+            if !self.store.renew_lease(tenant, thread, owner, now + self.settings.lease_ms).await? {
+                tracing::warn!(tenant, thread_id = thread, "lease lost; leaving the thread to its new owner");
+                return Ok(());
+            }
+            if let Some((entry, op)) = self.store.next_inbox_for_thread(tenant, thread).await? {
+                self.apply_answer(entry, op).await?;
+                continue;
+            }
+            if let Some(op) = self.store.next_due_for_thread(tenant, thread, now).await? {
+                self.step(op).await?;
+                continue;
+            }
+            break;
+        }
+        Ok(())
+    }
+
+    /// Runs `concurrency` workers and the reconciler until `shutdown`.
+    pub fn spawn(self: &Arc<Self>, shutdown: CancellationToken) -> Vec<tokio::task::JoinHandle<()>> {
+        let mut handles = Vec::new();
+        for i in 0..self.settings.concurrency {
+            let engine = Arc::clone(self);
+            let shutdown = shutdown.clone();
+            handles.push(tokio::spawn(async move { engine.worker_loop(i, shutdown).await }));
+        }
+        let engine = Arc::clone(self);
+        handles.push(tokio::spawn(async move { engine.reconciler_loop(shutdown).await }));
+        handles
+    }
+
+    async fn worker_loop(&self, index: usize, shutdown: CancellationToken) {
+        let mut failures: i64 = 0;
+        while !shutdown.is_cancelled() {
+            // Registered before looking for work, so a wake-up between the
+            // look and the wait is not lost.
+            let notified = self.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.try_execute_task().await {
+                Ok(true) => {
+                    failures = 0;
+                    continue;
+                }
+                Ok(false) => failures = 0,
+                Err(e) => {
+                    failures += 1;
+                    let delay = self.backoff_ms(failures);
+                    tracing::warn!(worker = index, error = %e, retry_in_ms = delay, "worker cannot reach the store");
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(Duration::from_millis(u64::try_from(delay).unwrap_or(1000))) => {}
+                    }
+                    continue;
+                }
+            }
+            // Sleep until woken, until the earliest scheduled retry, or the safety-net tick.
+            let mut nap = self.settings.idle_poll;
+            if let Ok(Some(at)) = self.store.next_due_at().await {
+                let until = u64::try_from((at - now_ms()).max(1)).unwrap_or(1);
+                nap = nap.min(Duration::from_millis(until));
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = &mut notified => {}
+                () = tokio::time::sleep(nap) => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,388 @@
+//! One step of an operation, chosen by its state. Each step makes at most
+//! one outside call, and records what it is about to do before a call that
+//! cannot be repeated blindly (consume, an approval's delivery), so a crash
+//! leaves evidence instead of a second approval.
+
+use serde_json::{Map, Value, json};
+use tracing::Instrument as _;
+
+use super::Engine;
+use crate::clock::now_ms;
+use crate::domain::answer::{self, Verdict};
+use crate::domain::state::{OutcomeStatus, State};
+use crate::pushary::PusharyError;
+use crate::store::{InboxEntry, Operation, StoreError, Transition};
+
+pub(crate) const ACTOR: &str = "worker";
+
+/// Moves `op` to `to` in memory and returns the transition to record.
+pub(crate) fn transition(op: &mut Operation, to: State, cause: impl Into<String>, actor: &str) -> Transition {
+    debug_assert!(op.state.can_become(to), "{} -> {}", op.state, to);
+    let now = now_ms();
+    let t = Transition::new(Some(op.state), to, now, cause, actor);
+    op.state = to;
+    op.updated_at = now;
+    t
+}
+
+/// Ends `op` in a fail-closed state whose outcome is delivered as a rejection.
+pub(crate) fn reject(op: &mut Operation, to: State, cause: impl Into<String>, actor: &str) -> Transition {
+    let t = transition(op, to, cause, actor);
+    op.outcome_status = OutcomeStatus::rejection_for(to).map(|s| s.as_str().to_string());
+    op.delivery = Some("pending".into());
+    op.attempts = 0;
+    op.due_at = Some(op.updated_at);
+    if op.permit_id.is_some() && op.receipt.is_none() {
+        op.receipt = Some("pending".into());
+        op.receipt_outcome = Some("failed".into());
+    }
+    t
+}
+
+/// Whether anything remains for a worker to do.
+pub(crate) fn needs_work(op: &Operation) -> bool {
+    matches!(op.state, State::Enqueued | State::Answered | State::Permitted | State::Delivering)
+        || op.delivery.as_deref() == Some("pending")
+        || op.receipt.as_deref() == Some("pending")
+}
+
+impl Engine {
+    /// Applies an inbox entry to the operation its correlation id names.
+    pub(crate) async fn apply_answer(&self, entry: InboxEntry, mut op: Operation) -> Result<(), StoreError> {
+        let now = now_ms();
+        if op.state != State::Pending {
+            // Already answered, expired or cancelled: the callback changes nothing.
+            let note = format!("operation already {}; nothing changed", op.state);
+            tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %entry.correlation_id, "{note}");
+            return self.store.settle_inbox(entry.id, "ignored", &note, Some(&op.id), now).await;
+        }
+        let early = op.opened_at.is_some_and(|opened| entry.received_at < opened);
+        let note = if early { "early answer: arrived before the decision id was recorded" } else { "matched" };
+        let t = if now >= op.deadline {
+            op.answer = Some(entry.answer.clone());
+            reject(&mut op, State::Expired, format!("answer arrived via {} after the deadline", entry.source), ACTOR)
+        } else {
+            op.answer = Some(entry.answer.clone());
+            op.poll_at = None;
+            op.due_at = Some(now);
+            transition(&mut op, State::Answered, format!("answer received via {}", entry.source), ACTOR)
+        };
+        op.poll_at = None;
+        if self.store.save(&mut op, &[t], Some((entry.id, "processed", Some(note)))).await? {
+            tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %entry.correlation_id, state = %op.state, "answer applied");
+        }
+        Ok(())
+    }
+
+    /// One step of a due operation.
+    pub(crate) async fn step(&self, op: Operation) -> Result<(), StoreError> {
+        let span = tracing::info_span!("step", operation_id = %op.id, thread_id = %op.thread_id,
+            correlation_id = op.decision_id.as_deref().unwrap_or(""), state = %op.state);
+        self.step_inner(op).instrument(span).await
+    }
+
+    async fn step_inner(&self, op: Operation) -> Result<(), StoreError> {
+        match op.state {
+            State::Enqueued => self.open(op).await,
+            State::Answered => self.decide(op).await,
+            State::Permitted | State::Delivering => self.deliver_approval_or_data(op).await,
+            _ if op.delivery.as_deref() == Some("pending") => self.deliver_rejection(op).await,
+            _ if op.receipt.as_deref() == Some("pending") => self.record_receipt(op).await,
+            _ => {
+                let mut op = op;
+                op.due_at = None;
+                self.store.save(&mut op, &[], None).await.map(|_| ())
+            }
+        }
+    }
+
+    /// Schedules the next attempt after a retryable failure.
+    fn retry_later(&self, op: &mut Operation, error: &str) {
+        op.attempts += 1;
+        op.last_error = Some(error.to_string());
+        op.updated_at = now_ms();
+        op.due_at = Some(op.updated_at + self.backoff_ms(op.attempts));
+    }
+
+    /// enqueued → pending (decision opened) | unreachable | expired.
+    async fn open(&self, mut op: Operation) -> Result<(), StoreError> {
+        let now = now_ms();
+        if now >= op.deadline {
+            let t = reject(&mut op, State::Expired, "deadline passed before the decision could be opened", ACTOR);
+            self.store.save(&mut op, &[t], None).await?;
+            return Ok(());
+        }
+        match self.pushary.create_decision(&op.decision_request).await {
+            Ok(created) => {
+                op.decision_id = Some(created.decision_id.clone());
+                op.opened_at = Some(now_ms());
+                op.attempts = 0;
+                op.last_error = None;
+                op.poll_at = Some(now_ms() + self.settings.poll_after_ms);
+                op.due_at = None;
+                let t = transition(&mut op, State::Pending, format!("decision {} opened", created.decision_id), ACTOR);
+                if self.store.save(&mut op, &[t], None).await? {
+                    tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %created.decision_id, "decision opened");
+                }
+            }
+            Err(PusharyError::Status { status: 409, message, .. })
+                if op.decision_request.get("requireReachable") == Some(&Value::Bool(true)) =>
+            {
+                let t = reject(&mut op, State::Unreachable, format!("recipient not reachable: {message}"), ACTOR);
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            Err(e) => {
+                // Retried with the identical payload until the deadline;
+                // a 4xx here is a configuration problem an operator can fix.
+                tracing::warn!(operation_id = %op.id, error = %e, "opening the decision failed; will retry");
+                self.retry_later(&mut op, &e.to_string());
+                self.store.save(&mut op, &[], None).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// answered → permitted | denied | invalid | refused | delivering (data) | uncertain | expired.
+    async fn decide(&self, mut op: Operation) -> Result<(), StoreError> {
+        let answer = op.answer.clone().unwrap_or_default();
+        let options = op.spec.options.clone().unwrap_or_default();
+        match answer::validate(op.decision_type, &options, &answer) {
+            Verdict::Invalid(why) => {
+                let t = reject(&mut op, State::Invalid, format!("invalid answer: {why}"), ACTOR);
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            Verdict::Denied => {
+                let t = reject(&mut op, State::Denied, "the recipient answered no", ACTOR);
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            Verdict::Data => {
+                let t = transition(&mut op, State::Delivering, "answer is data; delivering it", ACTOR);
+                op.outcome_status = Some(OutcomeStatus::Answered.as_str().into());
+                op.delivery = Some("pending".into());
+                op.attempts = 0;
+                op.due_at = Some(op.updated_at);
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            Verdict::Approved => self.consume(op).await?,
+        }
+        Ok(())
+    }
+
+    async fn consume(&self, mut op: Operation) -> Result<(), StoreError> {
+        let now = now_ms();
+        if now >= op.deadline {
+            let t = reject(&mut op, State::Expired, "deadline passed before the permit was consumed", ACTOR);
+            self.store.save(&mut op, &[t], None).await?;
+            return Ok(());
+        }
+        // Whether an earlier attempt may have spent the permit without us
+        // learning of it (lost response, or a crash mid-call).
+        let earlier_unknown = op.consume_inflight;
+        op.consume_inflight = true;
+        op.consume_attempts += 1;
+        op.updated_at = now;
+        if !self.store.save(&mut op, &[], None).await? {
+            return Ok(());
+        }
+        crate::fault::point("after_consume_inflight_recorded");
+        let result = self.pushary.consume(&consume_body(&op)).await;
+        crate::fault::point("after_consume_returned");
+        match result {
+            Ok(permit) => {
+                op.permit_id = Some(permit.permit_id.clone());
+                op.consume_inflight = false;
+                op.attempts = 0;
+                op.last_error = None;
+                op.due_at = Some(now_ms());
+                let t = transition(&mut op, State::Permitted, format!("permit {} consumed", permit.permit_id), ACTOR);
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            Err(e) if e.refusal() == Some("already_consumed") && earlier_unknown => {
+                // Our own earlier attempt may have spent it: the outcome is
+                // unknown, never a reason to run.
+                op.consume_inflight = false;
+                op.due_at = None;
+                op.delivery = Some("unknown".into());
+                let t = transition(
+                    &mut op,
+                    State::Uncertain,
+                    "permit already consumed after an attempt whose response was lost",
+                    ACTOR,
+                );
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            Err(e) if e.refusal().is_some() || (e.status().is_some() && !e.is_retryable()) => {
+                op.consume_inflight = false;
+                let why = e.refusal().map_or_else(|| e.to_string(), str::to_string);
+                let t = reject(&mut op, State::Refused, format!("permit refused: {why}"), ACTOR);
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            Err(e) => {
+                // Transport failure is never permission: keep the flag set so
+                // an `already_consumed` on retry reads as uncertain.
+                tracing::warn!(operation_id = %op.id, error = %e, "consume failed; will retry");
+                self.retry_later(&mut op, &e.to_string());
+                self.store.save(&mut op, &[], None).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// permitted/delivering: deliver the approval (or data answer) to the effect.
+    async fn deliver_approval_or_data(&self, mut op: Operation) -> Result<(), StoreError> {
+        let approval = op.permit_id.is_some();
+        let now = now_ms();
+        if op.state == State::Permitted {
+            if now >= op.deadline {
+                let t = reject(&mut op, State::Expired, "deadline passed before the effect ran", ACTOR);
+                self.store.save(&mut op, &[t], None).await?;
+                return Ok(());
+            }
+            let t = transition(&mut op, State::Delivering, "delivering the approval", ACTOR);
+            op.outcome_status = Some(OutcomeStatus::Approved.as_str().into());
+            op.delivery = Some("pending".into());
+            op.attempts = 0;
+            if !self.store.save(&mut op, &[t], None).await? {
+                return Ok(());
+            }
+        }
+        if op.delivery_inflight && approval {
+            // A process died mid-delivery: the effect may have run.
+            return self.uncertain(op, "a delivery attempt was interrupted; the effect may have run").await;
+        }
+        if approval && now >= op.deadline {
+            return self.uncertain(op, "the effect did not confirm before the deadline").await;
+        }
+        op.delivery_inflight = true;
+        op.attempts += 1;
+        op.updated_at = now;
+        if !self.store.save(&mut op, &[], None).await? {
+            return Ok(());
+        }
+        crate::fault::point("after_delivering_recorded");
+        let outcome = self.post_outcome(&op).await?;
+        crate::fault::point("after_effect_answered");
+        op.delivery_inflight = false;
+        match outcome {
+            super::delivery::Outcome::Done(body) => {
+                op.result = body;
+                op.delivery = Some("done".into());
+                op.last_error = None;
+                if approval {
+                    op.receipt = Some("pending".into());
+                    op.receipt_outcome = Some("succeeded".into());
+                }
+                let t = transition(&mut op, State::Succeeded, "the effect target confirmed", ACTOR);
+                op.due_at = needs_work(&op).then_some(op.updated_at);
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            super::delivery::Outcome::Refused(code, body) => {
+                op.result = body;
+                op.delivery = Some("failed".into());
+                if approval {
+                    op.receipt = Some("pending".into());
+                    op.receipt_outcome = Some("failed".into());
+                }
+                let t = transition(&mut op, State::Failed, format!("the effect target refused with {code}"), ACTOR);
+                op.due_at = needs_work(&op).then_some(op.updated_at);
+                self.store.save(&mut op, &[t], None).await?;
+            }
+            super::delivery::Outcome::Retry(error) => {
+                self.retry_later(&mut op, &error);
+                let past_deadline = op.due_at.is_some_and(|d| d >= op.deadline);
+                if approval && past_deadline {
+                    return self.uncertain(op, &format!("no confirmation before the deadline: {error}")).await;
+                }
+                if !approval && op.updated_at - op.created_at > self.settings.rejection_window_ms {
+                    op.delivery = Some("abandoned".into());
+                    let t = transition(&mut op, State::Failed, format!("delivery abandoned: {error}"), ACTOR);
+                    op.due_at = None;
+                    self.store.save(&mut op, &[t], None).await?;
+                    return Ok(());
+                }
+                self.store.save(&mut op, &[], None).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn uncertain(&self, mut op: Operation, cause: &str) -> Result<(), StoreError> {
+        op.delivery_inflight = false;
+        op.delivery = Some("unknown".into());
+        let t = transition(&mut op, State::Uncertain, cause, ACTOR);
+        op.due_at = None;
+        tracing::warn!(operation_id = %op.id, thread_id = %op.thread_id, "operation uncertain: {cause}");
+        self.store.save(&mut op, &[t], None).await.map(|_| ())
+    }
+
+    /// A fail-closed outcome is delivered so the app can resume with a rejection.
+    async fn deliver_rejection(&self, mut op: Operation) -> Result<(), StoreError> {
+        op.attempts += 1;
+        op.updated_at = now_ms();
+        let outcome = self.post_outcome(&op).await?;
+        match outcome {
+            super::delivery::Outcome::Done(body) => {
+                op.result = body;
+                op.delivery = Some("done".into());
+                op.last_error = None;
+            }
+            super::delivery::Outcome::Refused(code, body) => {
+                op.result = body;
+                op.delivery = Some("failed".into());
+                op.last_error = Some(format!("the effect target refused the outcome with {code}"));
+            }
+            super::delivery::Outcome::Retry(error) => {
+                op.last_error = Some(error);
+                op.due_at = Some(op.updated_at + self.backoff_ms(op.attempts));
+                if op.updated_at - op.created_at > self.settings.rejection_window_ms {
+                    op.delivery = Some("abandoned".into());
+                } else {
+                    return self.store.save(&mut op, &[], None).await.map(|_| ());
+                }
+            }
+        }
+        op.due_at = needs_work(&op).then_some(now_ms());
+        self.store.save(&mut op, &[], None).await.map(|_| ())
+    }
+
+    /// Tells Pushary how the permitted action ended; the first receipt wins.
+    async fn record_receipt(&self, mut op: Operation) -> Result<(), StoreError> {
+        let (Some(permit), Some(outcome)) = (op.permit_id.clone(), op.receipt_outcome.clone()) else {
+            op.receipt = None;
+            op.due_at = needs_work(&op).then_some(now_ms());
+            return self.store.save(&mut op, &[], None).await.map(|_| ());
+        };
+        crate::fault::point("before_receipt");
+        let summary = format!("approvald operation {} ended {}", op.id, op.state);
+        match self.pushary.record_receipt(&permit, &outcome, Some(&summary)).await {
+            Ok(_) => {
+                op.receipt = Some("recorded".into());
+                op.last_error = None;
+            }
+            Err(e) if !e.is_retryable() => {
+                op.receipt = Some("rejected".into());
+                op.last_error = Some(format!("receipt not recorded: {e}"));
+            }
+            Err(e) => {
+                self.retry_later(&mut op, &format!("receipt: {e}"));
+                return self.store.save(&mut op, &[], None).await.map(|_| ());
+            }
+        }
+        op.updated_at = now_ms();
+        op.due_at = needs_work(&op).then_some(op.updated_at);
+        self.store.save(&mut op, &[], None).await.map(|_| ())
+    }
+}
+
+/// The consume request restates exactly the subject the decision was
+/// created with: the same keys, taken from the stored create payload.
+pub(crate) fn consume_body(op: &Operation) -> Value {
+    let mut body = Map::new();
+    body.insert("authorizationId".into(), json!(op.decision_id.clone().unwrap_or_default()));
+    for key in ["toolName", "toolTarget", "actor", "environment", "parameters", "externalId"] {
+        if let Some(v) = op.decision_request.get(key) {
+            body.insert(key.into(), v.clone());
+        }
+    }
+    Value::Object(body)
+}
