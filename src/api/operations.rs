@@ -156,6 +156,8 @@ pub fn view(op: &Operation, transitions: &[Transition], deliveries: Option<Value
         "delivery": op.delivery,
         "receipt": op.receipt,
         "lastError": op.last_error,
+        // The effect target's response body: JSON when it was JSON.
+        "result": op.result.as_deref().map(|r| serde_json::from_str::<Value>(r).unwrap_or_else(|_| json!(r))),
         "createdAt": rfc3339(op.created_at),
         "updatedAt": rfc3339(op.updated_at),
         "deadline": rfc3339(op.deadline),

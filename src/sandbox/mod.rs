@@ -240,7 +240,7 @@ pub async fn start(
         .unwrap_or_else(|| format!("http://{addr}"))
         .trim_end_matches('/')
         .to_string();
-    let http = reqwest::Client::builder()
+    let http = crate::http::client_builder()
         .connect_timeout(Duration::from_secs(5))
         .timeout(Duration::from_secs(10))
         .build()

@@ -85,7 +85,7 @@ async fn the_whole_protocol_over_http() {
     let sandbox = start(listener, config, shutdown.clone()).await.expect("sandbox starts");
     let receiver = Receiver::default();
     let hook = receiver.start(shutdown.clone()).await;
-    let http = reqwest::Client::builder().build().expect("client");
+    let http = crate::http::client_builder().build().expect("client");
     let api = Client { http: http.clone(), base: sandbox.base_url(), key: sandbox.api_key() };
 
     // Authentication.
@@ -254,7 +254,7 @@ async fn the_page_answers_like_the_phone() {
     let shutdown = CancellationToken::new();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind sandbox");
     let sandbox = start(listener, SandboxConfig::default(), shutdown.clone()).await.expect("sandbox starts");
-    let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().expect("client");
+    let http = crate::http::client_builder().redirect(reqwest::redirect::Policy::none()).build().expect("client");
     let api = Client { http: http.clone(), base: sandbox.base_url(), key: sandbox.api_key() };
     let (_, created) = api
         .post("/decisions", json!({"question": "Ship <b>now</b>?", "parameters": {"note": "\"quoted\""}}))

@@ -1,0 +1,150 @@
+//! The receiver: verify before anything, store before acknowledging,
+//! deduplicate, never resume twice.
+
+use approvald::sandbox::CallbackMode;
+use serde_json::json;
+
+use crate::harness::{Options, TestApp, confirm};
+
+#[tokio::test]
+async fn unverified_or_malformed_callbacks_are_rejected_and_store_nothing() {
+    let app = TestApp::spawn().await;
+    let (body, good_sig) = app.signed_callback("dec_x", "yes");
+    let forged = approvald::pushary::signature::sign("whsec_attacker", &body);
+    let wrong_secret_of_same_shape = approvald::pushary::signature::sign(&format!("{}x", app.webhook_secret), &body);
+    let mut tampered = body.clone();
+    tampered[20] ^= 1;
+    let huge = vec![b' '; 64 * 1024 + 1];
+    let huge_sig = approvald::pushary::signature::sign(&app.webhook_secret, &huge);
+    let not_json = b"answer=yes".to_vec();
+    let not_json_sig = approvald::pushary::signature::sign(&app.webhook_secret, &not_json);
+    let no_fields = br#"{"correlationId": 5, "answer": "yes"}"#.to_vec();
+    let no_fields_sig = approvald::pushary::signature::sign(&app.webhook_secret, &no_fields);
+
+    let cases: Vec<(&str, Vec<u8>, Option<String>, u16, &str)> = vec![
+        ("missing signature", body.clone(), None, 401, "unauthorized"),
+        ("empty signature", body.clone(), Some(String::new()), 401, "unauthorized"),
+        ("forged signature", body.clone(), Some(forged), 401, "unauthorized"),
+        ("wrong secret", body.clone(), Some(wrong_secret_of_same_shape), 401, "unauthorized"),
+        ("uppercase signature", body.clone(), Some(good_sig.to_uppercase()), 401, "unauthorized"),
+        ("tampered body", tampered, Some(good_sig.clone()), 401, "unauthorized"),
+        ("body over 64 KiB", huge, Some(huge_sig), 413, "payload_too_large"),
+        ("signed non-JSON", not_json, Some(not_json_sig), 400, "invalid_json"),
+        ("signed JSON without string fields", no_fields, Some(no_fields_sig), 400, "not_a_decision_callback"),
+    ];
+    for (name, b, sig, status, code) in cases {
+        let (got, err) = app.post_callback(&b, sig.as_deref()).await;
+        assert_eq!(got, status, "{name}: {err}");
+        assert_eq!(err["code"], code, "{name}: {err}");
+        assert!(err["detail"].as_str().is_some_and(|d| !d.is_empty()), "{name}: {err}");
+        assert_eq!(app.inbox_len().await, 0, "{name}: the inbox must be unchanged");
+    }
+    // The valid one is stored, proving the cases above failed for their own reason.
+    assert_eq!(app.post_callback(&body, Some(&good_sig)).await.0, 200);
+    assert_eq!(app.inbox_len().await, 1);
+}
+
+#[tokio::test]
+async fn the_same_callback_five_times_and_concurrently_resumes_once() {
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_ok(&confirm("dup")).await;
+    let decision = app.decision_of(&id).await;
+    // The sandbox records the answer but loses its callback; we deliver it ourselves.
+    app.sandbox.answer(&decision, "yes", CallbackMode::Drop).await.expect("answer");
+    let (body, sig) = app.signed_callback(&decision, "yes");
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        statuses.push(app.post_callback(&body, Some(&sig)).await);
+    }
+    let concurrent = futures_join(&app, &body, &sig, 5).await;
+    assert!(statuses.iter().chain(concurrent.iter()).all(|(s, _)| *s == 200), "{statuses:?} {concurrent:?}");
+    let stored = statuses.iter().chain(concurrent.iter()).filter(|(_, v)| v["status"] == "stored").count();
+    assert_eq!(stored, 1, "exactly one is stored; the rest are duplicates");
+
+    let op = app.wait_op(&id, "receipt recorded", |o| o["receipt"] == "recorded").await;
+    assert_eq!(op["state"], "succeeded");
+    assert_eq!(app.sandbox.consume_calls(&decision), 1);
+    assert_eq!(app.deliveries_for(&id).len(), 1);
+    let inbox = app.store().list_inbox(None, 10).await.expect("inbox");
+    assert_eq!(inbox.len(), 1);
+    assert_eq!(inbox[0].duplicates, 9);
+
+    // A late replay after completion is acknowledged and changes nothing.
+    let before = app.get(&id).await;
+    assert_eq!(app.post_callback(&body, Some(&sig)).await, (200, json!({"status": "duplicate"})));
+    let (other_body, other_sig) = app.signed_callback(&decision, "no");
+    assert_eq!(app.post_callback(&other_body, Some(&other_sig)).await, (200, json!({"status": "duplicate"})));
+    app.drain().await;
+    let after = app.get(&id).await;
+    assert_eq!(before["transitions"], after["transitions"]);
+    assert_eq!(app.sandbox.consume_calls(&decision), 1);
+    assert_eq!(app.deliveries_for(&id).len(), 1);
+}
+
+async fn futures_join(app: &TestApp, body: &[u8], sig: &str, n: usize) -> Vec<(u16, serde_json::Value)> {
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let http = app.http.clone();
+        let url = format!("{}/v1/callbacks/pushary", app.base);
+        let body = body.to_vec();
+        let sig = sig.to_string();
+        set.spawn(async move {
+            let r = http.post(url).header("X-Pushary-Signature", sig).body(body).send().await.expect("post");
+            (r.status().as_u16(), r.json().await.unwrap_or(serde_json::Value::Null))
+        });
+    }
+    set.join_all().await
+}
+
+/// The callback arrives while approvald has not yet recorded the decision
+/// id (here: Pushary created the decision, approvald has not heard back).
+/// It waits in the inbox and is processed once the id is recorded.
+#[tokio::test]
+async fn an_early_callback_waits_in_the_inbox_until_the_decision_id_is_recorded() {
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let id = app.enqueue_ok(&confirm("early")).await;
+    let op = app.store().get_operation(None, &id).await.expect("store").expect("op");
+    // The exact request approvald will send, sent first by someone else.
+    let created: serde_json::Value = app
+        .http
+        .post(format!("{}/decisions", app.sandbox.base_url()))
+        .bearer_auth(app.sandbox.api_key())
+        .json(&op.decision_request)
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let decision = created["decisionId"].as_str().expect("decision id").to_string();
+    app.answer(&decision, "yes").await;
+    assert!(
+        app.sandbox
+            .wait_for(crate::harness::WAIT, |s| s.decision(&decision).is_some_and(|d| d.callback.delivered_at.is_some()))
+            .await,
+        "the callback reaches approvald"
+    );
+    let entry = app.store().inbox_by_correlation("default", &decision).await.expect("store").expect("stored");
+    assert_eq!(entry.state, "new");
+    assert_eq!(app.get(&id).await["state"], "enqueued", "not matched yet: the decision id is unknown");
+
+    app.drain().await;
+    let op = app.get(&id).await;
+    assert_eq!(op["state"], "succeeded", "{op:#}");
+    assert_eq!(op["decisionId"], decision, "the opener got the same decision back");
+    let entry = app.store().inbox_by_correlation("default", &decision).await.expect("store").expect("stored");
+    assert_eq!(entry.state, "processed");
+    assert!(entry.note.as_deref().unwrap_or("").contains("early"), "{entry:?}");
+    assert_eq!(app.sandbox.consume_calls(&decision), 1);
+    assert_eq!(app.deliveries_for(&id).len(), 1);
+}
+
+#[tokio::test]
+async fn a_callback_for_an_unknown_decision_is_kept_not_lost() {
+    let app = TestApp::spawn().await;
+    let (body, sig) = app.signed_callback("dec_nobody_knows", "yes");
+    let (status, v) = app.post_callback(&body, Some(&sig)).await;
+    assert_eq!(status, 200, "{v}");
+    let entry = app.store().inbox_by_correlation("default", "dec_nobody_knows").await.expect("store").expect("kept");
+    assert_eq!(entry.state, "new");
+}

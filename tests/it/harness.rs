@@ -1,0 +1,276 @@
+//! Starts approvald and the sandbox on port 0 and offers bounded waits.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use approvald::Application;
+use approvald::config::Config;
+use approvald::sandbox::{self, CallbackMode, SandboxConfig, SandboxHandle};
+use approvald::store::Store;
+use approvald::worker::{Engine, EngineSettings};
+use base64::Engine as _;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub const TOKEN: &str = "test-token-0123456789";
+pub const WAIT: Duration = Duration::from_secs(15);
+
+#[derive(Clone, Default)]
+pub struct Options {
+    pub require_reachable: bool,
+    pub poll_after_secs: Option<u64>,
+    /// No background workers: the test drives the engine step by step.
+    pub manual: bool,
+    pub extra_toml: String,
+}
+
+pub struct TestApp {
+    pub base: String,
+    pub sandbox: SandboxHandle,
+    pub engine: Arc<Engine>,
+    pub http: reqwest::Client,
+    pub webhook_secret: String,
+    shutdown: CancellationToken,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl TestApp {
+    pub async fn spawn() -> Self {
+        Self::spawn_with(Options::default()).await
+    }
+
+    pub async fn spawn_with(opts: Options) -> Self {
+        let shutdown = CancellationToken::new();
+        let effect_secret =
+            format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(rand::random::<[u8; 24]>()));
+        let sb_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind sandbox");
+        let sandbox = sandbox::start(
+            sb_listener,
+            SandboxConfig { effect_secret: Some(effect_secret.clone()), ..SandboxConfig::default() },
+            shutdown.clone(),
+        )
+        .await
+        .expect("sandbox starts");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind approvald");
+        let addr = listener.local_addr().expect("addr");
+        let toml = format!(
+            r#"
+            [server]
+            listen = "{addr}"
+            public_url = "http://{addr}"
+            [store]
+            url = "sqlite://{db}"
+            [api]
+            tokens = ["{TOKEN}"]
+            [pushary]
+            base_url = "{base}"
+            api_key = "{key}"
+            webhook_secrets = ["{whsec}"]
+            require_reachable = {rr}
+            timeout_secs = 5
+            [worker]
+            retry_initial_ms = 20
+            retry_max_secs = 1
+            [reconciler]
+            interval_secs = 1
+            poll_after_secs = {poll}
+            [effects.orders]
+            url = "{effect}"
+            secret = "{effect_secret}"
+            timeout_secs = 5
+            {extra}
+            "#,
+            db = dir.path().join("approvald.db").display(),
+            base = sandbox.base_url(),
+            key = sandbox.api_key(),
+            whsec = sandbox.webhook_secret(),
+            rr = opts.require_reachable,
+            poll = opts.poll_after_secs.unwrap_or(3600),
+            effect = sandbox.effect_url(),
+            extra = opts.extra_toml,
+        );
+        let config = Config::from_toml(&toml).expect("test config is valid");
+        let manual = opts.manual;
+        let app = Application::build_with(config, listener, |s: &mut EngineSettings| {
+            s.idle_poll = Duration::from_millis(200);
+            // The reconciler is driven by tests through reconcile_once.
+            s.reconcile_every = Duration::from_secs(3600);
+            if manual {
+                s.concurrency = 0;
+            }
+        })
+        .await
+        .expect("approvald builds");
+        let engine = app.engine();
+        tokio::spawn(app.run_until(shutdown.clone()));
+        let http = approvald::http::client_builder().build().expect("client");
+        TestApp {
+            base: format!("http://{addr}"),
+            webhook_secret: sandbox.webhook_secret(),
+            sandbox,
+            engine,
+            http,
+            shutdown,
+            _dir: dir,
+        }
+    }
+
+    pub fn store(&self) -> &Store {
+        self.engine.store()
+    }
+
+    pub async fn enqueue(&self, body: &Value) -> (u16, Value) {
+        let resp = self
+            .http
+            .post(format!("{}/v1/operations", self.base))
+            .bearer_auth(TOKEN)
+            .json(body)
+            .send()
+            .await
+            .expect("enqueue request");
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Enqueues `body` and returns the new operation's id.
+    pub async fn enqueue_ok(&self, body: &Value) -> String {
+        let (status, v) = self.enqueue(body).await;
+        assert_eq!(status, 201, "enqueue failed: {v}");
+        v["id"].as_str().expect("id").to_string()
+    }
+
+    pub async fn get(&self, id: &str) -> Value {
+        let resp = self
+            .http
+            .get(format!("{}/v1/operations/{id}", self.base))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("get request");
+        assert_eq!(resp.status().as_u16(), 200);
+        resp.json().await.expect("json")
+    }
+
+    /// Waits (bounded) until the operation is in one of `states`.
+    pub async fn wait_state(&self, id: &str, states: &[&str]) -> Value {
+        let start = Instant::now();
+        loop {
+            let op = self.get(id).await;
+            if states.contains(&op["state"].as_str().unwrap_or("")) {
+                return op;
+            }
+            assert!(start.elapsed() < WAIT, "operation {id} never reached {states:?}; it is {op:#}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until the operation is pending and returns its decision id.
+    pub async fn decision_of(&self, id: &str) -> String {
+        let op = self.wait_state(id, &["pending"]).await;
+        op["decisionId"].as_str().expect("decision id").to_string()
+    }
+
+    /// Waits (bounded) until `cond` holds on the operation.
+    pub async fn wait_op(&self, id: &str, what: &str, cond: impl Fn(&Value) -> bool) -> Value {
+        let start = Instant::now();
+        loop {
+            let op = self.get(id).await;
+            if cond(&op) {
+                return op;
+            }
+            assert!(start.elapsed() < WAIT, "operation {id}: {what} never happened; it is {op:#}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn answer(&self, decision: &str, answer: &str) {
+        self.sandbox.answer(decision, answer, CallbackMode::Send).await.expect("sandbox answers");
+    }
+
+    pub async fn post_callback(&self, body: &[u8], signature: Option<&str>) -> (u16, Value) {
+        let mut req = self
+            .http
+            .post(format!("{}/v1/callbacks/pushary", self.base))
+            .header("content-type", "application/json")
+            .body(body.to_vec());
+        if let Some(s) = signature {
+            req = req.header("X-Pushary-Signature", s);
+        }
+        let resp = req.send().await.expect("callback request");
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// A callback body as Pushary sends it, and its valid signature.
+    pub fn signed_callback(&self, decision: &str, answer: &str) -> (Vec<u8>, String) {
+        let body = serde_json::to_vec(&json!({"correlationId": decision, "answer": answer, "value": answer,
+            "answeredAt": "2026-11-29T09:00:00.000Z"}))
+        .expect("json");
+        let sig = approvald::pushary::signature::sign(&self.webhook_secret, &body);
+        (body, sig)
+    }
+
+    /// Deliveries the example effect target received for an operation.
+    pub fn deliveries_for(&self, op_id: &str) -> Vec<Value> {
+        self.sandbox
+            .effect_deliveries()
+            .into_iter()
+            .filter(|d| d.body["operationId"] == op_id)
+            .map(|d| d.body)
+            .collect()
+    }
+
+    /// Waits until the effect target has received `n` deliveries for the operation.
+    pub async fn wait_deliveries(&self, op_id: &str, n: usize) -> Vec<Value> {
+        let start = Instant::now();
+        loop {
+            let d = self.deliveries_for(op_id);
+            if d.len() >= n {
+                return d;
+            }
+            assert!(start.elapsed() < WAIT, "{op_id}: {n} deliveries never arrived; got {d:#?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Runs the engine by hand until no thread has work (manual mode).
+    pub async fn drain(&self) {
+        for _ in 0..1000 {
+            if !self.engine.try_execute_task().await.expect("store works") {
+                return;
+            }
+        }
+        panic!("the queue never drained");
+    }
+
+    pub async fn inbox_len(&self) -> usize {
+        self.store().list_inbox(None, 1000).await.expect("inbox").len()
+    }
+}
+
+/// A valid confirm enqueue body; `n` makes keys unique.
+pub fn confirm(n: &str) -> Value {
+    json!({
+        "operationKey": format!("op-{n}"),
+        "threadId": format!("thread-{n}"),
+        "interruptId": format!("interrupt-{n}"),
+        "checkpointId": "cp-1",
+        "effect": "orders",
+        "externalId": "user-1",
+        "question": "Refund 40 EUR on order 1234?",
+        "toolName": "refund",
+        "toolTarget": "order-1234",
+        "actor": "agent-7",
+        "environment": "test",
+        "parameters": {"amount": 40, "currency": "EUR", "express": false},
+        "revision": "rev-3",
+    })
+}

@@ -1,0 +1,10 @@
+//! approvald's integration tests: one binary, real SQLite files, real HTTP
+//! on 127.0.0.1 both ways (approvald, the Pushary sandbox, the effect target).
+
+mod callbacks;
+mod cli;
+mod enqueue;
+mod harness;
+mod outcomes;
+mod reconciler;
+mod vectors;
