@@ -253,6 +253,14 @@ impl Config {
         if w.retry_initial_ms == 0 || w.retry_max_secs == 0 {
             return Err(invalid("worker.retry_initial_ms", "retry delays must be positive"));
         }
+        // A lease must outlive the longest call made while holding it.
+        let longest_call = self.effects.values().map(|e| e.timeout_secs).chain([self.pushary.timeout_secs]).max();
+        if longest_call.is_some_and(|t| w.lease_secs <= t) {
+            return Err(invalid(
+                "worker.lease_secs",
+                "must be longer than pushary.timeout_secs and every effects.*.timeout_secs",
+            ));
+        }
         if self.reconciler.interval_secs == 0 {
             return Err(invalid("reconciler.interval_secs", "must be at least 1"));
         }

@@ -321,7 +321,7 @@ mod tests {
 
     #[test]
     fn time_left_is_readable() {
-        let now = Utc::now();
+        let now = DateTime::parse_from_rfc3339("2026-11-29T09:00:00Z").expect("valid").with_timezone(&Utc);
         let at = |s: i64| super::super::iso(now + chrono::Duration::seconds(s));
         assert_eq!(time_left(&at(30), now), "30s");
         assert_eq!(time_left(&at(125), now), "2m 5s");

@@ -78,7 +78,7 @@ impl Store {
     pub async fn migration_status(&self) -> Result<(Option<i64>, i64), StoreError> {
         let latest = migrator().iter().map(|m| m.version).max().unwrap_or(0);
         let applied: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT MAX(version) FROM {MIGRATIONS_TABLE} WHERE success = 1"
+            "SELECT MAX(version) FROM {MIGRATIONS_TABLE} WHERE success = TRUE"
         )))
         .fetch_one(&self.pool)
         .await
@@ -103,7 +103,7 @@ impl Store {
         let done = sqlx::query(
             "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
              decision_type, spec, decision_request, state, idempotency_key, due_at, deadline, created_at, \
-             updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?15) \
+             updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $15) \
              ON CONFLICT (tenant, operation_key) DO NOTHING",
         )
         .bind(&op.id)
@@ -124,7 +124,7 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         if done.rows_affected() == 0 {
-            let row = sqlx::query(concat!("SELECT ", op_cols!(), " FROM operations WHERE tenant = ?1 AND operation_key = ?2"))
+            let row = sqlx::query(concat!("SELECT ", op_cols!(), " FROM operations WHERE tenant = $1 AND operation_key = $2"))
                 .bind(&op.tenant)
                 .bind(&op.operation_key)
                 .fetch_one(&mut *tx)
@@ -141,7 +141,7 @@ impl Store {
         let row = sqlx::query(concat!(
             "SELECT ",
             op_cols!(),
-            " FROM operations WHERE id = ?1 AND (?2 IS NULL OR tenant = ?2)"
+            " FROM operations WHERE id = $1 AND ($2 IS NULL OR tenant = $2)"
         ))
         .bind(id)
         .bind(tenant)
@@ -154,8 +154,8 @@ impl Store {
         let rows = sqlx::query(concat!(
             "SELECT ",
             op_cols!(),
-            " FROM operations WHERE (?1 IS NULL OR tenant = ?1) AND (?2 IS NULL OR state = ?2) \
-              AND (?3 IS NULL OR thread_id = ?3) ORDER BY created_at DESC, id DESC LIMIT ?4"
+            " FROM operations WHERE ($1 IS NULL OR tenant = $1) AND ($2 IS NULL OR state = $2) \
+              AND ($3 IS NULL OR thread_id = $3) ORDER BY created_at DESC, id DESC LIMIT $4"
         ))
         .bind(f.tenant.as_deref())
         .bind(f.state.map(|s| s.as_str()))
@@ -168,7 +168,7 @@ impl Store {
 
     pub async fn transitions(&self, operation_id: &str) -> Result<Vec<Transition>, StoreError> {
         let rows = sqlx::query(
-            "SELECT from_state, to_state, at, cause, actor FROM transitions WHERE operation_id = ?1 ORDER BY id",
+            "SELECT from_state, to_state, at, cause, actor FROM transitions WHERE operation_id = $1 ORDER BY id",
         )
         .bind(operation_id)
         .fetch_all(&self.pool)
@@ -179,7 +179,7 @@ impl Store {
     pub async fn deliveries(&self, operation_id: &str) -> Result<Vec<DeliveryRecord>, StoreError> {
         let rows = sqlx::query(
             "SELECT operation_id, attempt, started_at, duration_ms, status_code, error, response_body \
-             FROM deliveries WHERE operation_id = ?1 ORDER BY id",
+             FROM deliveries WHERE operation_id = $1 ORDER BY id",
         )
         .bind(operation_id)
         .fetch_all(&self.pool)
@@ -198,11 +198,11 @@ impl Store {
     ) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let done = sqlx::query(
-            "UPDATE operations SET state = ?1, decision_id = ?2, answer = ?3, permit_id = ?4, delivery = ?5, \
-             outcome_status = ?6, result = ?7, receipt = ?8, receipt_outcome = ?9, consume_inflight = ?10, \
-             consume_attempts = ?11, delivery_inflight = ?12, attempts = ?13, last_error = ?14, due_at = ?15, \
-             poll_at = ?16, opened_at = ?17, updated_at = ?18, version = version + 1 \
-             WHERE id = ?19 AND version = ?20",
+            "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
+             outcome_status = $6, result = $7, receipt = $8, receipt_outcome = $9, consume_inflight = $10, \
+             consume_attempts = $11, delivery_inflight = $12, attempts = $13, last_error = $14, due_at = $15, \
+             poll_at = $16, opened_at = $17, updated_at = $18, version = version + 1 \
+             WHERE id = $19 AND version = $20",
         )
         .bind(op.state.as_str())
         .bind(&op.decision_id)
@@ -235,7 +235,7 @@ impl Store {
         }
         if let Some((inbox_id, state, note)) = inbox {
             sqlx::query(
-                "UPDATE inbox SET state = ?1, note = ?2, operation_id = ?3, processed_at = ?4 WHERE id = ?5",
+                "UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5",
             )
             .bind(state)
             .bind(note)
@@ -253,7 +253,7 @@ impl Store {
     pub async fn record_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, \
-             response_body) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+             response_body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
         )
         .bind(&d.operation_id)
         .bind(d.attempt)
@@ -275,7 +275,7 @@ impl Store {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let inserted: Option<i64> = sqlx::query_scalar(
             "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
-             received_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'new', ?8) \
+             received_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 'new', $8) \
              ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id",
         )
         .bind(e.tenant)
@@ -292,7 +292,7 @@ impl Store {
             Some(id) => InboxInsert::Stored(id),
             None => {
                 let id: i64 = sqlx::query_scalar(
-                    "UPDATE inbox SET duplicates = duplicates + 1 WHERE tenant = ?1 AND correlation_id = ?2 \
+                    "UPDATE inbox SET duplicates = duplicates + 1 WHERE tenant = $1 AND correlation_id = $2 \
                      RETURNING id",
                 )
                 .bind(e.tenant)
@@ -310,7 +310,7 @@ impl Store {
         let rows = sqlx::query(concat!(
             "SELECT ",
             inbox_cols!(),
-            " FROM inbox WHERE (?1 IS NULL OR state = ?1) ORDER BY id DESC LIMIT ?2"
+            " FROM inbox WHERE ($1 IS NULL OR state = $1) ORDER BY id DESC LIMIT $2"
         ))
         .bind(state)
         .bind(if limit > 0 { limit } else { 100 })
@@ -327,7 +327,7 @@ impl Store {
         let row = sqlx::query(concat!(
             "SELECT ",
             inbox_cols!(),
-            " FROM inbox WHERE tenant = ?1 AND correlation_id = ?2"
+            " FROM inbox WHERE tenant = $1 AND correlation_id = $2"
         ))
         .bind(tenant)
         .bind(correlation_id)
@@ -343,14 +343,14 @@ impl Store {
     pub async fn threads_with_work(&self, now: i64, limit: i64) -> Result<Vec<(String, String)>, StoreError> {
         let rows = sqlx::query(
             "SELECT tenant, thread_id FROM ( \
-               SELECT o.tenant, o.thread_id, o.due_at AS t FROM operations o WHERE o.due_at <= ?1 \
+               SELECT o.tenant, o.thread_id, o.due_at AS t FROM operations o WHERE o.due_at <= $1 \
                UNION ALL \
                SELECT o.tenant, o.thread_id, i.received_at AS t FROM inbox i \
                  JOIN operations o ON o.tenant = i.tenant AND o.decision_id = i.correlation_id \
                  WHERE i.state = 'new') w \
              WHERE NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = w.tenant \
-                               AND l.thread_id = w.thread_id AND l.until > ?1) \
-             GROUP BY tenant, thread_id ORDER BY MIN(t) LIMIT ?2",
+                               AND l.thread_id = w.thread_id AND l.until > $1) \
+             GROUP BY tenant, thread_id ORDER BY MIN(t) LIMIT $2",
         )
         .bind(now)
         .bind(limit)
@@ -369,9 +369,9 @@ impl Store {
         until: i64,
     ) -> Result<bool, StoreError> {
         let got: Option<String> = sqlx::query_scalar(
-            "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES (?1, ?2, ?3, ?5) \
+            "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ($1, $2, $3, $5) \
              ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until \
-             WHERE thread_leases.until <= ?4 OR thread_leases.owner = excluded.owner \
+             WHERE thread_leases.until <= $4 OR thread_leases.owner = excluded.owner \
              RETURNING owner",
         )
         .bind(tenant)
@@ -386,7 +386,7 @@ impl Store {
 
     /// Extends a lease we hold; false means it was lost to another worker.
     pub async fn renew_lease(&self, tenant: &str, thread_id: &str, owner: &str, until: i64) -> Result<bool, StoreError> {
-        let done = sqlx::query("UPDATE thread_leases SET until = ?4 WHERE tenant = ?1 AND thread_id = ?2 AND owner = ?3")
+        let done = sqlx::query("UPDATE thread_leases SET until = $4 WHERE tenant = $1 AND thread_id = $2 AND owner = $3")
             .bind(tenant)
             .bind(thread_id)
             .bind(owner)
@@ -397,7 +397,7 @@ impl Store {
     }
 
     pub async fn release_lease(&self, tenant: &str, thread_id: &str, owner: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM thread_leases WHERE tenant = ?1 AND thread_id = ?2 AND owner = ?3")
+        sqlx::query("DELETE FROM thread_leases WHERE tenant = $1 AND thread_id = $2 AND owner = $3")
             .bind(tenant)
             .bind(thread_id)
             .bind(owner)
@@ -420,7 +420,7 @@ impl Store {
     ) -> Result<Option<(InboxEntry, Operation)>, StoreError> {
         let row = sqlx::query(
             "SELECT i.id FROM inbox i JOIN operations o ON o.tenant = i.tenant AND o.decision_id = i.correlation_id \
-             WHERE i.state = 'new' AND o.tenant = ?1 AND o.thread_id = ?2 ORDER BY i.id LIMIT 1",
+             WHERE i.state = 'new' AND o.tenant = $1 AND o.thread_id = $2 ORDER BY i.id LIMIT 1",
         )
         .bind(tenant)
         .bind(thread_id)
@@ -428,12 +428,12 @@ impl Store {
         .await?;
         let Some(row) = row else { return Ok(None) };
         let inbox_id: i64 = row.try_get("id")?;
-        let entry = sqlx::query(concat!("SELECT ", inbox_cols!(), " FROM inbox WHERE id = ?1"))
+        let entry = sqlx::query(concat!("SELECT ", inbox_cols!(), " FROM inbox WHERE id = $1"))
             .bind(inbox_id)
             .fetch_one(&self.pool)
             .await?;
         let entry = InboxEntry::from_row(&entry)?;
-        let op = sqlx::query(concat!("SELECT ", op_cols!(), " FROM operations WHERE tenant = ?1 AND decision_id = ?2"))
+        let op = sqlx::query(concat!("SELECT ", op_cols!(), " FROM operations WHERE tenant = $1 AND decision_id = $2"))
             .bind(tenant)
             .bind(&entry.correlation_id)
             .fetch_one(&self.pool)
@@ -450,7 +450,7 @@ impl Store {
         let row = sqlx::query(concat!(
             "SELECT ",
             op_cols!(),
-            " FROM operations WHERE tenant = ?1 AND thread_id = ?2 AND due_at <= ?3 ORDER BY due_at, created_at LIMIT 1"
+            " FROM operations WHERE tenant = $1 AND thread_id = $2 AND due_at <= $3 ORDER BY due_at, created_at LIMIT 1"
         ))
         .bind(tenant)
         .bind(thread_id)
@@ -476,7 +476,7 @@ impl Store {
         operation_id: Option<&str>,
         at: i64,
     ) -> Result<(), StoreError> {
-        sqlx::query("UPDATE inbox SET state = ?1, note = ?2, operation_id = ?3, processed_at = ?4 WHERE id = ?5")
+        sqlx::query("UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5")
             .bind(state)
             .bind(note)
             .bind(operation_id)
@@ -493,7 +493,7 @@ impl Store {
         let rows = sqlx::query(concat!(
             "SELECT ",
             op_cols!(),
-            " FROM operations WHERE state = 'pending' AND deadline <= ?1 ORDER BY deadline LIMIT ?2"
+            " FROM operations WHERE state = 'pending' AND deadline <= $1 ORDER BY deadline LIMIT $2"
         ))
         .bind(now)
         .bind(limit)
@@ -506,7 +506,7 @@ impl Store {
         let rows = sqlx::query(concat!(
             "SELECT ",
             op_cols!(),
-            " FROM operations WHERE poll_at <= ?1 AND state = 'pending' ORDER BY poll_at LIMIT ?2"
+            " FROM operations WHERE poll_at <= $1 AND state = 'pending' ORDER BY poll_at LIMIT $2"
         ))
         .bind(now)
         .bind(limit)
@@ -530,7 +530,7 @@ async fn insert_transition(
     t: &Transition,
 ) -> Result<(), StoreError> {
     sqlx::query(
-        "INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        "INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) VALUES ($1, $2, $3, $4, $5, $6)",
     )
     .bind(operation_id)
     .bind(&t.from)

@@ -21,7 +21,8 @@ async fn unverified_or_malformed_callbacks_are_rejected_and_store_nothing() {
     let no_fields = br#"{"correlationId": 5, "answer": "yes"}"#.to_vec();
     let no_fields_sig = approvald::pushary::signature::sign(&app.webhook_secret, &no_fields);
 
-    let cases: Vec<(&str, Vec<u8>, Option<String>, u16, &str)> = vec![
+    type Case<'a> = (&'a str, Vec<u8>, Option<String>, u16, &'a str);
+    let cases: Vec<Case> = vec![
         ("missing signature", body.clone(), None, 401, "unauthorized"),
         ("empty signature", body.clone(), Some(String::new()), 401, "unauthorized"),
         ("forged signature", body.clone(), Some(forged), 401, "unauthorized"),
@@ -147,4 +148,15 @@ async fn a_callback_for_an_unknown_decision_is_kept_not_lost() {
     assert_eq!(status, 200, "{v}");
     let entry = app.store().inbox_by_correlation("default", "dec_nobody_knows").await.expect("store").expect("kept");
     assert_eq!(entry.state, "new");
+}
+
+#[tokio::test]
+async fn a_store_that_cannot_commit_answers_503_so_pushary_retries() {
+    let app = TestApp::spawn().await;
+    app.store().close().await;
+    let (body, sig) = app.signed_callback("dec_while_down", "yes");
+    let (status, err) = app.post_callback(&body, Some(&sig)).await;
+    assert_eq!(status, 503, "{err}");
+    assert_eq!(err["code"], "store_unavailable");
+    assert!(!err["detail"].as_str().unwrap_or("").contains(".db"), "no file paths in errors: {err}");
 }
