@@ -64,10 +64,16 @@ impl Application {
         let mut effects = HashMap::new();
         for (name, e) in &config.effects {
             let secret = e.secret.as_ref().context("effect secret validated at load")?;
-            let key = crate::webhooks::decode_secret(secret.expose()).map_err(|p| anyhow::anyhow!("{name}: {p}"))?;
+            let key = crate::webhooks::decode_secret(secret.expose())
+                .map_err(|p| anyhow::anyhow!("{name}: {p}"))?;
             effects.insert(
                 name.clone(),
-                EffectTarget { url: e.url.clone(), keys: vec![key], timeout: Duration::from_secs(e.timeout_secs) },
+                EffectTarget {
+                    url: e.url.clone(),
+                    keys: vec![key],
+                    timeout: Duration::from_secs(e.timeout_secs),
+                    redeliver_safe: e.redeliver_safe,
+                },
             );
         }
         if config.pushary.webhook_secrets.is_empty() {
@@ -76,7 +82,8 @@ impl Application {
         if config.api.tokens.is_empty() {
             tracing::warn!("no api.tokens configured: the operations API refuses every request");
         }
-        let engine = Arc::new(Engine::new(store, pushary, effects, settings(&config), Arc::new(Notify::new())));
+        let engine =
+            Arc::new(Engine::new(store, pushary, effects, settings(&config), Arc::new(Notify::new())));
         let state = AppState {
             tokens: Arc::new(config.api.tokens.clone()),
             webhook_secrets: Arc::new(config.pushary.webhook_secrets.clone()),

@@ -57,6 +57,7 @@ pub struct StoreConfig {
     pub url: String,
     pub sqlite_synchronous: String,
     pub max_connections: u32,
+    pub busy_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -102,6 +103,7 @@ pub struct WorkerConfig {
 pub struct ReconcilerConfig {
     pub interval_secs: u64,
     pub poll_after_secs: u64,
+    pub orphan_after_secs: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -119,6 +121,8 @@ pub struct EffectConfig {
     pub secret_file: Option<PathBuf>,
     #[serde(default = "default_effect_timeout")]
     pub timeout_secs: u64,
+    #[serde(default)]
+    pub redeliver_safe: bool,
 }
 
 fn default_effect_timeout() -> u64 {
@@ -254,7 +258,8 @@ impl Config {
             return Err(invalid("worker.retry_initial_ms", "retry delays must be positive"));
         }
         // A lease must outlive the longest call made while holding it.
-        let longest_call = self.effects.values().map(|e| e.timeout_secs).chain([self.pushary.timeout_secs]).max();
+        let longest_call =
+            self.effects.values().map(|e| e.timeout_secs).chain([self.pushary.timeout_secs]).max();
         if longest_call.is_some_and(|t| w.lease_secs <= t) {
             return Err(invalid(
                 "worker.lease_secs",

@@ -29,10 +29,8 @@ fn toml_str(s: &str) -> String {
 
 pub async fn run(opts: DevOptions) -> anyhow::Result<()> {
     let shutdown = shutdown_on_signal();
-    let effect_secret = format!(
-        "whsec_{}",
-        base64::engine::general_purpose::STANDARD.encode(rand::random::<[u8; 24]>())
-    );
+    let effect_secret =
+        format!("whsec_{}", base64::engine::general_purpose::STANDARD.encode(rand::random::<[u8; 24]>()));
     let sandbox_listener = TcpListener::bind(("127.0.0.1", opts.sandbox_port))
         .await
         .with_context(|| format!("binding the sandbox to 127.0.0.1:{}", opts.sandbox_port))?;

@@ -41,7 +41,9 @@ impl ApiError {
 
     fn parts(&self) -> (StatusCode, &'static str, String, Option<String>) {
         match self {
-            ApiError::Unauthorized { detail } => (StatusCode::UNAUTHORIZED, "unauthorized", detail.to_string(), None),
+            ApiError::Unauthorized { detail } => {
+                (StatusCode::UNAUTHORIZED, "unauthorized", detail.to_string(), None)
+            }
             ApiError::NotFound { detail } => (StatusCode::NOT_FOUND, "not_found", detail.clone(), None),
             ApiError::BadRequest { code, detail } => (StatusCode::BAD_REQUEST, code, detail.clone(), None),
             ApiError::Validation(f) => (
@@ -87,7 +89,8 @@ impl IntoResponse for ApiError {
         }
         let mut resp = (status, Json(body)).into_response();
         if status == StatusCode::SERVICE_UNAVAILABLE {
-            resp.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
         }
         resp
     }
@@ -102,6 +105,27 @@ impl From<crate::worker::CancelError> for ApiError {
             C::AlreadyAnswered => ApiError::Conflict { code: "already_answered", detail: e.to_string() },
             C::Pushary(_) => ApiError::Upstream { code: "pushary_unavailable", detail: e.to_string() },
             C::Store(s) => ApiError::Store(s),
+        }
+    }
+}
+
+impl From<crate::worker::ResolveError> for ApiError {
+    fn from(e: crate::worker::ResolveError) -> Self {
+        use crate::worker::ResolveError as R;
+        match e {
+            R::NotFound => ApiError::not_found("operation"),
+            R::NotUncertain(_) => ApiError::Conflict { code: "not_uncertain", detail: e.to_string() },
+            R::BadOutcome => ApiError::Validation(crate::domain::operation::FieldError {
+                field: "outcome".into(),
+                code: "invalid_value",
+                detail: e.to_string(),
+            }),
+            R::NoNote => ApiError::Validation(crate::domain::operation::FieldError {
+                field: "note".into(),
+                code: "missing_field",
+                detail: e.to_string(),
+            }),
+            R::Store(s) => ApiError::Store(s),
         }
     }
 }

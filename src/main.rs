@@ -41,9 +41,12 @@ enum Command {
     },
     /// Create or upgrade the store's schema (safe to run again).
     Migrate(ConfigArg),
-    /// Inspect operations.
+    /// Inspect operations, and resolve the uncertain ones.
     #[command(subcommand)]
     Ops(OpsCommand),
+    /// Inspect the callback inbox, including orphans.
+    #[command(subcommand)]
+    Inbox(InboxCommand),
 }
 
 #[derive(Args)]
@@ -83,6 +86,42 @@ enum OpsCommand {
         store: StoreArg,
         id: String,
     },
+    /// Record how an `uncertain` operation really ended (after checking the
+    /// effect by hand). The transition records who and why.
+    Resolve {
+        #[command(flatten)]
+        store: StoreArg,
+        id: String,
+        /// `succeeded` or `failed`.
+        #[arg(long)]
+        outcome: String,
+        /// Why: what you checked.
+        #[arg(long)]
+        note: String,
+        /// Who is resolving (default: $USER).
+        #[arg(long, env = "USER", default_value = "operator")]
+        by: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum InboxCommand {
+    /// List inbox entries, newest first.
+    List {
+        #[command(flatten)]
+        store: StoreArg,
+        /// new, processed, ignored or orphaned.
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// Show one entry, with the exact body that was received.
+    Show {
+        #[command(flatten)]
+        store: StoreArg,
+        id: i64,
+    },
 }
 
 #[tokio::main]
@@ -118,6 +157,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Ops(cmd) => ops(cmd).await,
+        Command::Inbox(cmd) => inbox(cmd).await,
     }
 }
 
@@ -131,6 +171,7 @@ async fn open_store(arg: &StoreArg) -> anyhow::Result<Store> {
                 url: format!("sqlite://{}", path.display()),
                 sqlite_synchronous: "full".into(),
                 max_connections: 1,
+                busy_timeout_ms: 5000,
             }
         }
         None => Config::load(arg.config.config.as_deref())?.store,
@@ -141,15 +182,15 @@ async fn open_store(arg: &StoreArg) -> anyhow::Result<Store> {
 async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
     match cmd {
         OpsCommand::List { store, state, thread, limit } => {
-            let state = state
-                .map(|s| s.parse::<State>())
-                .transpose()
-                .map_err(|e| anyhow::anyhow!("--state: {e}"))?;
+            let state =
+                state.map(|s| s.parse::<State>()).transpose().map_err(|e| anyhow::anyhow!("--state: {e}"))?;
             if !(1..=10_000).contains(&limit) {
                 anyhow::bail!("--limit: must be between 1 and 10000");
             }
             let store = open_store(&store).await?;
-            let ops = store.list_operations(&OperationFilter { tenant: None, state, thread_id: thread, limit }).await?;
+            let ops = store
+                .list_operations(&OperationFilter { tenant: None, state, thread_id: thread, limit })
+                .await?;
             println!("{:<30} {:<12} {:<20} {:<20} {:<24}", "ID", "STATE", "THREAD", "KEY", "UPDATED");
             for op in &ops {
                 println!(
@@ -166,7 +207,10 @@ async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
         }
         OpsCommand::Show { store, id } => {
             let store = open_store(&store).await?;
-            let op = store.get_operation(None, &id).await?.ok_or_else(|| anyhow::anyhow!("no operation `{id}`"))?;
+            let op = store
+                .get_operation(None, &id)
+                .await?
+                .ok_or_else(|| anyhow::anyhow!("no operation `{id}`"))?;
             let ts = approvald::clock::rfc3339;
             println!("operation   {}", op.id);
             println!("state       {}", op.state);
@@ -178,29 +222,114 @@ async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
             println!("decision    {}", op.decision_id.as_deref().unwrap_or("-"));
             println!("answer      {}", op.answer.as_deref().unwrap_or("-"));
             println!("permit      {}", op.permit_id.as_deref().unwrap_or("-"));
-            println!("outcome     {}  delivery {}  receipt {}", op.outcome_status.as_deref().unwrap_or("-"),
-                op.delivery.as_deref().unwrap_or("-"), op.receipt.as_deref().unwrap_or("-"));
+            println!(
+                "outcome     {}  delivery {}  receipt {}",
+                op.outcome_status.as_deref().unwrap_or("-"),
+                op.delivery.as_deref().unwrap_or("-"),
+                op.receipt.as_deref().unwrap_or("-")
+            );
             println!("deadline    {}", ts(op.deadline));
             if let Some(e) = &op.last_error {
                 println!("last error  {e}");
             }
             println!("\nhistory");
             for t in store.transitions(&op.id).await? {
-                println!("  {}  {:>11} → {:<11} {}  ({})", ts(t.at), t.from.as_deref().unwrap_or("-"), t.to, t.cause, t.actor);
+                println!(
+                    "  {}  {:>11} → {:<11} {}  ({})",
+                    ts(t.at),
+                    t.from.as_deref().unwrap_or("-"),
+                    t.to,
+                    t.cause,
+                    t.actor
+                );
             }
             let deliveries = store.deliveries(&op.id).await?;
             if !deliveries.is_empty() {
                 println!("\ndeliveries");
                 for d in deliveries {
-                    println!("  #{} {}  {}  {}", d.attempt, ts(d.started_at),
-                        d.status_code.map_or_else(|| "-".to_string(), |c| c.to_string()), d.error.unwrap_or_default());
+                    println!(
+                        "  #{} {}  {}  {}",
+                        d.attempt,
+                        ts(d.started_at),
+                        d.status_code.map_or_else(|| "-".to_string(), |c| c.to_string()),
+                        d.error.unwrap_or_default()
+                    );
                 }
             }
+            Ok(())
+        }
+        OpsCommand::Resolve { store, id, outcome, note, by } => {
+            let store = open_store(&store).await?;
+            let op =
+                approvald::worker::resolve(&store, None, &id, &outcome, &note, &by).await.map_err(|e| {
+                    use approvald::worker::ResolveError as R;
+                    match e {
+                        R::BadOutcome => anyhow::anyhow!("--outcome: {e}"),
+                        R::NoNote => anyhow::anyhow!("--note: {e}"),
+                        other => anyhow::anyhow!("{other}"),
+                    }
+                })?;
+            println!("{} is now {} (resolved by {by})", op.id, op.state);
+            Ok(())
+        }
+    }
+}
+
+async fn inbox(cmd: InboxCommand) -> anyhow::Result<()> {
+    let ts = approvald::clock::rfc3339;
+    match cmd {
+        InboxCommand::List { store, state, limit } => {
+            if let Some(s) = &state {
+                if !matches!(s.as_str(), "new" | "processed" | "ignored" | "orphaned") {
+                    anyhow::bail!("--state: must be new, processed, ignored or orphaned");
+                }
+            }
+            if !(1..=10_000).contains(&limit) {
+                anyhow::bail!("--limit: must be between 1 and 10000");
+            }
+            let store = open_store(&store).await?;
+            let entries = store.list_inbox(state.as_deref(), limit).await?;
+            println!(
+                "{:>6} {:<10} {:<30} {:<9} {:>4} {:<24} {:<30}",
+                "ID", "STATE", "CORRELATION", "SOURCE", "DUPS", "RECEIVED", "OPERATION"
+            );
+            for e in &entries {
+                println!(
+                    "{:>6} {:<10} {:<30} {:<9} {:>4} {:<24} {:<30}",
+                    e.id,
+                    e.state,
+                    clip(&e.correlation_id, 30),
+                    e.source,
+                    e.duplicates,
+                    ts(e.received_at),
+                    e.operation_id.as_deref().unwrap_or("-")
+                );
+            }
+            println!("{} entr{}", entries.len(), if entries.len() == 1 { "y" } else { "ies" });
+            Ok(())
+        }
+        InboxCommand::Show { store, id } => {
+            let store = open_store(&store).await?;
+            let (e, body) =
+                store.inbox_entry(id).await?.ok_or_else(|| anyhow::anyhow!("no inbox entry {id}"))?;
+            println!("entry       {}", e.id);
+            println!("state       {}", e.state);
+            println!("correlation {}", e.correlation_id);
+            println!("answer      {}", e.answer);
+            println!("source      {}  duplicates {}", e.source, e.duplicates);
+            println!("received    {}", ts(e.received_at));
+            println!("operation   {}", e.operation_id.as_deref().unwrap_or("-"));
+            println!("note        {}", e.note.as_deref().unwrap_or("-"));
+            println!("body        {}", String::from_utf8_lossy(&body));
             Ok(())
         }
     }
 }
 
 fn clip(s: &str, n: usize) -> String {
-    if s.chars().count() <= n { s.to_string() } else { format!("{}…", s.chars().take(n - 1).collect::<String>()) }
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("{}…", s.chars().take(n - 1).collect::<String>())
+    }
 }

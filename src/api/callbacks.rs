@@ -36,10 +36,9 @@ pub(super) async fn receive(
     crate::fault::point("callback_verified");
     let parsed: Value = serde_json::from_slice(&bytes)
         .map_err(|_| ApiError::bad_request("invalid_json", "the callback body is not JSON"))?;
-    let (Some(correlation_id), Some(answer)) = (
-        parsed.get("correlationId").and_then(Value::as_str),
-        parsed.get("answer").and_then(Value::as_str),
-    ) else {
+    let (Some(correlation_id), Some(answer)) =
+        (parsed.get("correlationId").and_then(Value::as_str), parsed.get("answer").and_then(Value::as_str))
+    else {
         return Err(ApiError::bad_request(
             "not_a_decision_callback",
             "a decision callback needs string `correlationId` and `answer`",

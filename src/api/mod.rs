@@ -3,6 +3,9 @@
 
 mod callbacks;
 mod operations;
+mod operator;
+
+pub use operator::inbox_view;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +37,9 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/v1/operations", post(operations::enqueue).get(operations::list))
         .route("/v1/operations/{id}", get(operations::show).delete(operations::cancel))
+        .route("/v1/operations/{id}/resolve", post(operator::resolve))
+        .route("/v1/inbox", get(operator::inbox_list))
+        .route("/v1/inbox/{id}", get(operator::inbox_show))
         .route("/v1/callbacks/pushary", post(callbacks::receive))
         .route("/healthz", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/readyz", get(ready))
@@ -41,7 +47,9 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(|| async {
             (
                 StatusCode::METHOD_NOT_ALLOWED,
-                axum::Json(json!({"code": "method_not_allowed", "detail": "this route does not take that method"})),
+                axum::Json(
+                    json!({"code": "method_not_allowed", "detail": "this route does not take that method"}),
+                ),
             )
         })
         .layer(tower_http::timeout::TimeoutLayer::with_status_code(
@@ -64,7 +72,9 @@ async fn ready(axum::extract::State(state): axum::extract::State<AppState>) -> i
         ),
         Err(_) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"status": "not_ready", "code": "store_unavailable", "detail": "the store cannot be reached"})),
+            axum::Json(
+                json!({"status": "not_ready", "code": "store_unavailable", "detail": "the store cannot be reached"}),
+            ),
         ),
     }
 }
@@ -94,7 +104,8 @@ pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// Reads a body up to `limit` bytes; larger is a 413 with our error shape.
 pub(crate) async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+        let too_large =
+            std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
         if too_large {
             ApiError::PayloadTooLarge { detail: format!("the body must be at most {limit} bytes") }
         } else {

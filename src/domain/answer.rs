@@ -87,7 +87,9 @@ mod tests {
     fn confirm_accepts_exactly_yes_and_no() {
         assert_eq!(validate(DecisionType::Confirm, &[], "yes"), Verdict::Approved);
         assert_eq!(validate(DecisionType::Confirm, &[], "no"), Verdict::Denied);
-        for bad in ["YES", " yes", "yes ", "Yes", "y", "true", "1", "", "no ", "NO", "ｙｅｓ", "yes\n", "yes\0"] {
+        for bad in
+            ["YES", " yes", "yes ", "Yes", "y", "true", "1", "", "no ", "NO", "ｙｅｓ", "yes\n", "yes\0"]
+        {
             assert!(matches!(validate(DecisionType::Confirm, &[], bad), Verdict::Invalid(_)), "{bad:?}");
         }
     }

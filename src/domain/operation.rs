@@ -137,7 +137,8 @@ pub fn parse(body: &Value, limits: Limits, now_ms: i64) -> Result<OperationSpec,
         Some(Value::Array(items)) => {
             let mut out = Vec::with_capacity(items.len());
             for item in items {
-                let s = item.as_str().ok_or_else(|| err("options", "invalid_type", "options must be strings"))?;
+                let s =
+                    item.as_str().ok_or_else(|| err("options", "invalid_type", "options must be strings"))?;
                 check_text("options", s, 1, MAX_OPTION_CHARS)?;
                 if out.iter().any(|o: &String| o == s) {
                     return Err(err("options", "invalid_value", format!("option `{s}` is listed twice")));
@@ -193,7 +194,11 @@ pub fn parse(body: &Value, limits: Limits, now_ms: i64) -> Result<OperationSpec,
     let deadline = opt_string(obj, "deadline")?;
     if let Some(d) = &deadline {
         if expires_in_seconds.is_some() {
-            return Err(err("deadline", "invalid_value", "give either deadline or expiresInSeconds, not both"));
+            return Err(err(
+                "deadline",
+                "invalid_value",
+                "give either deadline or expiresInSeconds, not both",
+            ));
         }
         let at = chrono::DateTime::parse_from_rfc3339(d)
             .map_err(|_| err("deadline", "invalid_value", "must be an RFC 3339 time"))?;
@@ -289,7 +294,11 @@ fn parameters(obj: &Map<String, Value>) -> Result<Option<Map<String, Value>>, Fi
                 }
             }
             _ => {
-                return Err(err(&field, "invalid_type", "values must be booleans, numbers or strings (flat)"));
+                return Err(err(
+                    &field,
+                    "invalid_type",
+                    "values must be booleans, numbers or strings (flat)",
+                ));
             }
         }
     }
@@ -435,10 +444,16 @@ mod tests {
         assert_eq!(field_of(with("parameters", json!({"a": null}))), "parameters.a");
         assert_eq!(field_of(with("parameters", json!({"a": "x".repeat(201)}))), "parameters.a");
         let long_key = "k".repeat(65);
-        assert_eq!(field_of(with("parameters", json!({ long_key.clone(): 1 }))), format!("parameters.{long_key}"));
+        assert_eq!(
+            field_of(with("parameters", json!({ long_key.clone(): 1 }))),
+            format!("parameters.{long_key}")
+        );
         assert_eq!(field_of(with("parameters", json!({"": 1}))), "parameters.");
         assert_eq!(field_of(with("parameters", json!([1]))), "parameters");
-        assert!(parse(&with("parameters", json!({"amount": 40.5, "ok": true, "cur": "EUR"})), LIMITS, NOW).is_ok());
+        assert!(
+            parse(&with("parameters", json!({"amount": 40.5, "ok": true, "cur": "EUR"})), LIMITS, NOW)
+                .is_ok()
+        );
     }
 
     #[test]

@@ -64,7 +64,10 @@ impl State {
     /// No worker moves an operation out of these. `uncertain` is terminal
     /// for workers; only an operator resolves it.
     pub fn is_terminal(self) -> bool {
-        matches!(self, Succeeded | Failed | Uncertain | Expired | Cancelled | Denied | Invalid | Refused | Unreachable)
+        matches!(
+            self,
+            Succeeded | Failed | Uncertain | Expired | Cancelled | Denied | Invalid | Refused | Unreachable
+        )
     }
 
     /// Still waiting for the human (or for the decision to be opened).

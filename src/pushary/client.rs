@@ -105,7 +105,12 @@ impl PusharyClient {
         Ok(Self { http, base_url: base_url.trim_end_matches('/').to_string(), api_key })
     }
 
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<&Value>) -> Result<Value, PusharyError> {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, PusharyError> {
         let url = format!("{}{}", self.base_url, path);
         let mut req = self
             .http
@@ -235,7 +240,8 @@ mod tests {
     #[test]
     fn retryable_errors_are_transport_and_server_side() {
         assert!(PusharyError::Transport("x".into()).is_retryable());
-        let s = |status| PusharyError::Status { status, message: String::new(), refusal: None, body: json!({}) };
+        let s =
+            |status| PusharyError::Status { status, message: String::new(), refusal: None, body: json!({}) };
         assert!(s(503).is_retryable());
         assert!(s(429).is_retryable());
         assert!(!s(409).is_retryable());

@@ -47,7 +47,9 @@ async fn require_api_key(State(shared): State<Arc<Shared>>, request: Request, ne
         None | Some("") => unauthorized("missing API key: send Authorization: Bearer <api key>"),
         // Comparing digests keeps the comparison time independent of where
         // the presented key first differs.
-        Some(key) if Sha256::digest(key) != Sha256::digest(&shared.api_key) => unauthorized("invalid API key"),
+        Some(key) if Sha256::digest(key) != Sha256::digest(&shared.api_key) => {
+            unauthorized("invalid API key")
+        }
         Some(_) => next.run(request).await,
     }
 }
@@ -117,7 +119,11 @@ async fn fetch(
     Ok(Json(decision.json(Utc::now())))
 }
 
-async fn answer(State(shared): State<Arc<Shared>>, Path(id): Path<String>, JsonBody(body): JsonBody) -> ApiResult {
+async fn answer(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody,
+) -> ApiResult {
     let body = object(body)?;
     let answer = string(&body, "answer")?.ok_or_else(|| ApiError::invalid("answer is required"))?;
     answer_decision(&shared, &id, &answer, "api", CallbackMode::Send).map(Json)
@@ -137,7 +143,8 @@ async fn rotate_webhook_secret(State(shared): State<Arc<Shared>>) -> Json<Value>
 
 async fn enroll(State(shared): State<Arc<Shared>>, JsonBody(body): JsonBody) -> ApiResult {
     let body = object(body)?;
-    let external_id = string(&body, "externalId")?.ok_or_else(|| ApiError::invalid("externalId is required"))?;
+    let external_id =
+        string(&body, "externalId")?.ok_or_else(|| ApiError::invalid("externalId is required"))?;
     check_external_id(&external_id)?;
     Ok(Json(shared.mutate(|s| s.enroll(external_id, &shared.public_url, Utc::now()))))
 }

@@ -8,7 +8,7 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use super::state::CallbackState;
+use super::views::CallbackState;
 use super::{Shared, iso};
 use crate::pushary::signature::sign;
 
@@ -16,6 +16,7 @@ const MAX_ATTEMPTS: usize = 50;
 const FIRST_DELAY: Duration = Duration::from_millis(200);
 const MAX_DELAY: Duration = Duration::from_secs(30);
 
+#[derive(Debug)]
 pub(super) struct CallbackJob {
     pub decision_id: String,
     pub url: String,
@@ -36,8 +37,19 @@ struct CallbackBody<'a> {
 }
 
 /// The exact callback body: compact JSON, `context` only when one was given.
-pub(super) fn body(decision_id: &str, answer: &str, answered_at: DateTime<Utc>, context: Option<&str>) -> Vec<u8> {
-    let body = CallbackBody { correlation_id: decision_id, answer, value: answer, answered_at: iso(answered_at), context };
+pub(super) fn body(
+    decision_id: &str,
+    answer: &str,
+    answered_at: DateTime<Utc>,
+    context: Option<&str>,
+) -> Vec<u8> {
+    let body = CallbackBody {
+        correlation_id: decision_id,
+        answer,
+        value: answer,
+        answered_at: iso(answered_at),
+        context,
+    };
     serde_json::to_vec(&body).expect("a struct of strings always serializes")
 }
 
@@ -92,7 +104,13 @@ async fn deliver(shared: Arc<Shared>, job: CallbackJob) {
     }
 }
 
-fn record_attempt(shared: &Shared, decision_id: &str, outcome: Result<u16, String>, delivered: bool, last: bool) {
+fn record_attempt(
+    shared: &Shared,
+    decision_id: &str,
+    outcome: Result<u16, String>,
+    delivered: bool,
+    last: bool,
+) {
     shared.mutate(|s| {
         let Some(decision) = s.decisions.get_mut(decision_id) else {
             return;
@@ -125,13 +143,17 @@ mod tests {
     // The shared vector `answered-no-with-context` from vectors/pushary.json.
     #[test]
     fn body_matches_the_vector_bytes() {
-        let at = DateTime::parse_from_rfc3339("2026-11-29T09:01:00Z").expect("valid time").with_timezone(&Utc);
+        let at =
+            DateTime::parse_from_rfc3339("2026-11-29T09:01:00Z").expect("valid time").with_timezone(&Utc);
         let bytes = body("dec_01HZX4", "no", at, Some("thread=t-42"));
         assert_eq!(
             String::from_utf8(bytes.clone()).expect("utf-8"),
             r#"{"correlationId":"dec_01HZX4","answer":"no","value":"no","answeredAt":"2026-11-29T09:01:00.000Z","context":"thread=t-42"}"#
         );
-        assert_eq!(sign("whsec_test_1", &bytes), "893dba1b69b9cb17ce24cc3a9439def241716162faae387bf056dde0a67773cd");
+        assert_eq!(
+            sign("whsec_test_1", &bytes),
+            "893dba1b69b9cb17ce24cc3a9439def241716162faae387bf056dde0a67773cd"
+        );
         let without = body("dec_01HZX3", "yes", at, None);
         assert!(!String::from_utf8_lossy(&without).contains("context"));
     }

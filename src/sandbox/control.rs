@@ -56,7 +56,10 @@ async fn decisions(State(shared): State<Arc<Shared>>) -> Json<Vec<DecisionView>>
     Json(shared.lock().decision_views(Utc::now()))
 }
 
-async fn decision(State(shared): State<Arc<Shared>>, Path(id): Path<String>) -> Result<Json<DecisionView>, ApiError> {
+async fn decision(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Json<DecisionView>, ApiError> {
     shared.lock().decision_view(&id, Utc::now()).map(Json).ok_or_else(|| ApiError::not_found("decision"))
 }
 
@@ -68,7 +71,11 @@ struct AnswerRequest {
     callback: CallbackMode,
 }
 
-async fn answer(State(shared): State<Arc<Shared>>, Path(id): Path<String>, JsonBody(body): JsonBody) -> ApiResult {
+async fn answer(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    JsonBody(body): JsonBody,
+) -> ApiResult {
     let request: AnswerRequest = parse(body)?;
     answer_decision(&shared, &id, &request.answer, "sandbox", request.callback).map(Json)
 }

@@ -107,9 +107,11 @@ fn check_signature(key: Option<&[u8]>, headers: &HeaderMap, body: &[u8]) -> Resu
     let Some(key) = key else {
         return Ok(false);
     };
-    let (Some(id), Some(timestamp), Some(signature)) =
-        (header(headers, "webhook-id"), header(headers, "webhook-timestamp"), header(headers, "webhook-signature"))
-    else {
+    let (Some(id), Some(timestamp), Some(signature)) = (
+        header(headers, "webhook-id"),
+        header(headers, "webhook-timestamp"),
+        header(headers, "webhook-signature"),
+    ) else {
         return Err("missing webhook-id, webhook-timestamp or webhook-signature".to_string());
     };
     verify(key, &id, &timestamp, &signature, body, Utc::now().timestamp())

@@ -91,9 +91,9 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state)
-            .await
-            .map_err(|rejection| ApiError::new(rejection.status(), rejection.body_text(), rejection.body_text()))?;
+        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+            ApiError::new(rejection.status(), rejection.body_text(), rejection.body_text())
+        })?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(Self(Value::Null));
         }

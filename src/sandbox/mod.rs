@@ -21,6 +21,7 @@ mod page;
 mod permits;
 mod state;
 mod validate;
+mod views;
 
 #[cfg(test)]
 mod tests;
@@ -43,7 +44,7 @@ use tower_http::trace::TraceLayer;
 
 pub use effect::EffectDeliveryView;
 pub use permits::ReceiptView;
-pub use state::{CallbackView, DecisionView, PermitView};
+pub use views::{CallbackState, CallbackView, DecisionView, PermitView};
 
 use state::State;
 
@@ -321,8 +322,15 @@ impl SandboxHandle {
     }
 
     /// Answers as the phone would, then sends (or loses) the callback.
-    pub async fn answer(&self, decision_id: &str, answer: &str, callback: CallbackMode) -> Result<(), String> {
-        answer_decision(&self.shared, decision_id, answer, "sandbox", callback).map(|_| ()).map_err(|e| e.message())
+    pub async fn answer(
+        &self,
+        decision_id: &str,
+        answer: &str,
+        callback: CallbackMode,
+    ) -> Result<(), String> {
+        answer_decision(&self.shared, decision_id, answer, "sandbox", callback)
+            .map(|_| ())
+            .map_err(|e| e.message())
     }
 
     /// Forces the next consume naming this decision to be refused (`None`

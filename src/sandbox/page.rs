@@ -14,7 +14,8 @@ use axum::routing::{get, post};
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 
-use super::state::{DecisionView, Status};
+use super::state::Status;
+use super::views::DecisionView;
 use super::{CallbackMode, EffectDeliveryView, Shared, answer_decision};
 
 /// How many finished decisions and deliveries the page lists.
@@ -46,7 +47,9 @@ async fn index(State(shared): State<Arc<Shared>>, Query(notice): Query<Notice>) 
         decisions.iter().rev().filter(|d| d.status == Status::Pending.as_str()).collect();
     let _ = write!(body, "<h2>Pending ({})</h2>", pending.len());
     if pending.is_empty() {
-        body.push_str("<p class=muted>Nothing to answer. Decisions created against this sandbox appear here.</p>");
+        body.push_str(
+            "<p class=muted>Nothing to answer. Decisions created against this sandbox appear here.</p>",
+        );
     }
     for d in pending {
         card(&mut body, d, now, "/");
@@ -62,15 +65,24 @@ async fn index(State(shared): State<Arc<Shared>>, Query(notice): Query<Notice>) 
     }
 
     body.push_str("<h2>Example effect target</h2>");
-    let _ = write!(body, "<p class=muted>Deliveries to <code>{}</code></p>", esc(&format!("{}/sandbox/effect", shared.public_url)));
+    let _ = write!(
+        body,
+        "<p class=muted>Deliveries to <code>{}</code></p>",
+        esc(&format!("{}/sandbox/effect", shared.public_url))
+    );
     effect_table(&mut body, &deliveries);
     Html(layout("Pushary sandbox", &body))
 }
 
-async fn decision_page(State(shared): State<Arc<Shared>>, Path(id): Path<String>, Query(notice): Query<Notice>) -> Response {
+async fn decision_page(
+    State(shared): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    Query(notice): Query<Notice>,
+) -> Response {
     let now = Utc::now();
     let Some(d) = shared.lock().decision_view(&id, now) else {
-        return (StatusCode::NOT_FOUND, Html(layout("Not found", "<p>No decision with that id.</p>"))).into_response();
+        return (StatusCode::NOT_FOUND, Html(layout("Not found", "<p>No decision with that id.</p>")))
+            .into_response();
     };
     let mut body = String::new();
     banner(&mut body, notice.error.as_deref());
@@ -119,8 +131,10 @@ async fn enroll(State(shared): State<Arc<Shared>>, Path(token): Path<String>) ->
             );
             Html(layout("Enrolled", &body)).into_response()
         }
-        Err(error) => (error.status, Html(layout("Enrollment", &format!("<p>{}</p>", esc(&error.message())))))
-            .into_response(),
+        Err(error) => {
+            (error.status, Html(layout("Enrollment", &format!("<p>{}</p>", esc(&error.message())))))
+                .into_response()
+        }
     }
 }
 
@@ -198,8 +212,12 @@ fn recent_table(out: &mut String, decisions: &[&DecisionView]) {
     );
     for d in decisions {
         let when = d.answered_at.as_ref().or(d.cancelled_at.as_ref()).unwrap_or(&d.expires_at);
-        let callback = format!("{:?} ({} attempts{})", d.callback.state, d.callback.attempts,
-            d.callback.last_status.map(|s| format!(", last {s}")).unwrap_or_default());
+        let callback = format!(
+            "{:?} ({} attempts{})",
+            d.callback.state,
+            d.callback.attempts,
+            d.callback.last_status.map(|s| format!(", last {s}")).unwrap_or_default()
+        );
         let permit = match &d.permit {
             None => format!("{} consume calls", d.consume_calls),
             Some(p) => format!(
@@ -233,7 +251,8 @@ fn effect_table(out: &mut String, deliveries: &[EffectDeliveryView]) {
          <th>Operation</th><th>Verified</th><th>Effect</th><th>Idempotency key</th></tr>",
     );
     for d in deliveries.iter().rev().take(RECENT) {
-        let field = |key: &str| d.body.get(key).map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string));
+        let field =
+            |key: &str| d.body.get(key).map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string));
         let effect = if d.executed {
             "executed".to_string()
         } else if d.replay {

@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::error::ApiError;
-use super::state::{PermitView, State};
+use super::state::State;
 use super::validate::{Kind, SUBJECT_KEYS, string};
+use super::views::PermitView;
 use super::{Refusal, iso, random_hex};
 use crate::domain::keys::canonical_json;
 
@@ -139,7 +140,14 @@ impl State {
         decision.permit_id = Some(permit_id.clone());
         self.permits.insert(
             permit_id.clone(),
-            Permit { id: permit_id.clone(), decision_id: id.clone(), issued_at: now, expires_at, receipt: None, reports: 0 },
+            Permit {
+                id: permit_id.clone(),
+                decision_id: id.clone(),
+                issued_at: now,
+                expires_at,
+                receipt: None,
+                reports: 0,
+            },
         );
         Ok(json!({
             "permitId": permit_id,
@@ -195,18 +203,28 @@ mod tests {
     }
 
     fn refusal_of(r: Result<Value, ApiError>) -> Value {
-        r.err().expect("refused").extra.get("refusal").cloned().unwrap_or(Value::Null)
+        r.expect_err("refused").extra.get("refusal").cloned().unwrap_or(Value::Null)
     }
 
     #[test]
     fn subject_equality_is_exact() {
         let recorded = obj(json!({"toolName": "refund", "parameters": {"amount": 5, "cur": "EUR"}}));
-        assert!(same_subject(&recorded, &obj(json!({"parameters": {"cur": "EUR", "amount": 5}, "toolName": "refund"}))));
+        assert!(same_subject(
+            &recorded,
+            &obj(json!({"parameters": {"cur": "EUR", "amount": 5}, "toolName": "refund"}))
+        ));
         assert!(!same_subject(&recorded, &obj(json!({"toolName": "refund"}))));
-        assert!(!same_subject(&recorded, &obj(json!({"toolName": "refund", "parameters": {"amount": 5.0, "cur": "EUR"}}))));
-        let extra = obj(json!({"toolName": "refund", "actor": "a", "parameters": {"amount": 5, "cur": "EUR"}}));
+        assert!(!same_subject(
+            &recorded,
+            &obj(json!({"toolName": "refund", "parameters": {"amount": 5.0, "cur": "EUR"}}))
+        ));
+        let extra =
+            obj(json!({"toolName": "refund", "actor": "a", "parameters": {"amount": 5, "cur": "EUR"}}));
         assert!(!same_subject(&recorded, &extra));
-        assert_eq!(stated_subject(&obj(json!({"toolName": "x", "actor": null, "authorizationId": "d"}))), obj(json!({"toolName": "x"})));
+        assert_eq!(
+            stated_subject(&obj(json!({"toolName": "x", "actor": null, "authorizationId": "d"}))),
+            obj(json!({"toolName": "x"}))
+        );
     }
 
     #[test]
@@ -214,7 +232,7 @@ mod tests {
         let mut s = State::new("whsec_x".into());
         let now = Utc::now();
         let ttl = Duration::from_secs(600);
-        let mut create = |s: &mut State, body: Value| match s
+        let create = |s: &mut State, body: Value| match s
             .create(parse_create(obj(body)).expect("valid"), "http://h", "u-", now)
             .expect("created")
         {
@@ -233,7 +251,10 @@ mod tests {
         let stated = |id: &str| obj(json!({"authorizationId": id, "toolName": "refund", "externalId": "e"}));
         assert_eq!(refusal_of(s.consume(&stated("dec_nope"), ttl, now)), "not_authorized");
         assert_eq!(refusal_of(s.consume(&stated(&denied), ttl, now)), "not_authorized");
-        assert_eq!(refusal_of(s.consume(&obj(json!({"authorizationId": select})), ttl, now)), "not_authorized");
+        assert_eq!(
+            refusal_of(s.consume(&obj(json!({"authorizationId": select})), ttl, now)),
+            "not_authorized"
+        );
         let mismatch = obj(json!({"authorizationId": approved, "toolName": "refund"}));
         assert_eq!(refusal_of(s.consume(&mismatch, ttl, now)), "action_mismatch");
         let late_body = obj(json!({"authorizationId": late, "toolName": "refund"}));
@@ -248,8 +269,12 @@ mod tests {
         let permit_id = permit["permitId"].as_str().expect("permit id");
         let first = s.receipt(permit_id, &obj(json!({"outcome": "succeeded"})), now).expect("recorded");
         assert_eq!(first["duplicate"], json!(false));
-        let second = s.receipt(permit_id, &obj(json!({"outcome": "failed", "summary": "x"})), now).expect("kept");
-        assert_eq!((second["outcome"].clone(), second["duplicate"].clone()), (json!("succeeded"), json!(true)));
+        let second =
+            s.receipt(permit_id, &obj(json!({"outcome": "failed", "summary": "x"})), now).expect("kept");
+        assert_eq!(
+            (second["outcome"].clone(), second["duplicate"].clone()),
+            (json!("succeeded"), json!(true))
+        );
         assert!(s.receipt(permit_id, &obj(json!({"outcome": "done"})), now).is_err());
         assert!(s.receipt("pmt_nope", &obj(json!({"outcome": "failed"})), now).is_err());
         assert_eq!(s.receipt_view(permit_id).map(|r| (r.outcome, r.reports)), Some(("succeeded".into(), 2)));

@@ -6,14 +6,14 @@ use std::collections::{HashMap, HashSet};
 
 use axum::http::StatusCode;
 use chrono::{DateTime, Duration as TimeDelta, Utc};
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::callbacks::{self, CallbackJob};
 use super::effect::EffectState;
 use super::error::ApiError;
-use super::permits::{Permit, ReceiptView};
+use super::permits::Permit;
 use super::validate::{CreateRequest, Kind, check_answer};
+use super::views::{CallbackState, CallbackView};
 use super::{CallbackMode, Refusal, iso, random_hex};
 
 /// How long an enrollment link stays valid.
@@ -95,83 +95,8 @@ impl Status {
     }
 }
 
-/// Where a decision's callback stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CallbackState {
-    /// The decision was created without a `callbackUrl`.
-    NoCallbackUrl,
-    /// Not answered yet.
-    Waiting,
-    /// Being delivered (retrying until a 2xx).
-    Sending,
-    Delivered,
-    /// Retries exhausted without a 2xx.
-    GaveUp,
-    /// Answered with `CallbackMode::Drop`: the callback was deliberately lost.
-    Dropped,
-    /// The sandbox shut down before a 2xx.
-    Stopped,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct CallbackView {
-    pub state: CallbackState,
-    pub attempts: u32,
-    pub last_status: Option<u16>,
-    pub last_error: Option<String>,
-    pub delivered_at: Option<String>,
-    /// The exact body sent (or that would have been sent, when dropped).
-    pub body: Option<String>,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PermitView {
-    pub permit_id: String,
-    pub issued_at: String,
-    pub expires_at: String,
-    pub receipt: Option<ReceiptView>,
-}
-
-/// Everything the sandbox knows about one decision.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DecisionView {
-    pub decision_id: String,
-    pub status: String,
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub question: String,
-    pub options: Option<Vec<String>>,
-    pub external_id: Option<String>,
-    pub tool_name: Option<String>,
-    pub tool_target: Option<String>,
-    pub actor: Option<String>,
-    pub environment: Option<String>,
-    pub parameters: Option<Value>,
-    pub callback_url: Option<String>,
-    pub context: Option<String>,
-    pub agent_name: Option<String>,
-    pub placeholder: Option<String>,
-    pub presentation: Option<Value>,
-    pub idempotency_key: Option<String>,
-    pub expires_in_seconds: i64,
-    pub reachable: Option<bool>,
-    pub created_at: String,
-    pub expires_at: String,
-    pub answered: bool,
-    pub value: Option<String>,
-    pub answered_at: Option<String>,
-    pub answered_via: Option<String>,
-    pub cancelled_at: Option<String>,
-    pub callback: CallbackView,
-    pub consume_calls: usize,
-    pub permit: Option<PermitView>,
-}
-
 /// The outcome of a create that did not fail.
+#[derive(Debug)]
 pub(super) enum Created {
     New(String),
     /// The same idempotency key and payload as an earlier create: its response.
@@ -191,7 +116,7 @@ impl Decision {
         }
     }
 
-    fn subject_str(&self, key: &str) -> Option<String> {
+    pub(super) fn subject_str(&self, key: &str) -> Option<String> {
         self.subject.get(key).and_then(Value::as_str).map(str::to_string)
     }
 
@@ -233,40 +158,6 @@ impl Decision {
             map.extend(reachability(reachable));
         }
         body
-    }
-
-    fn view(&self, consume_calls: usize, permit: Option<&Permit>, now: DateTime<Utc>) -> DecisionView {
-        DecisionView {
-            decision_id: self.id.clone(),
-            status: self.status(now).as_str().to_string(),
-            kind: self.kind.as_str().to_string(),
-            question: self.question.clone(),
-            options: self.options.clone(),
-            external_id: self.external_id(),
-            tool_name: self.subject_str("toolName"),
-            tool_target: self.subject_str("toolTarget"),
-            actor: self.subject_str("actor"),
-            environment: self.subject_str("environment"),
-            parameters: self.subject.get("parameters").cloned(),
-            callback_url: self.callback_url.clone(),
-            context: self.context.clone(),
-            agent_name: self.agent_name.clone(),
-            placeholder: self.placeholder.clone(),
-            presentation: self.presentation.clone(),
-            idempotency_key: self.idempotency_key.clone(),
-            expires_in_seconds: self.expires_in_seconds,
-            reachable: self.reachable,
-            created_at: iso(self.created_at),
-            expires_at: iso(self.expires_at),
-            answered: self.answer.is_some(),
-            value: self.answer.as_ref().map(|a| a.value.clone()),
-            answered_at: self.answer.as_ref().map(|a| iso(a.at)),
-            answered_via: self.answer.as_ref().map(|a| a.via.clone()),
-            cancelled_at: self.cancelled_at.map(iso),
-            callback: self.callback.clone(),
-            consume_calls,
-            permit: permit.map(Permit::view),
-        }
     }
 }
 
@@ -339,7 +230,11 @@ impl State {
         self.next_seq += 1;
         let id = format!("dec_{}", random_hex(12));
         let callback = CallbackView {
-            state: if req.callback_url.is_some() { CallbackState::Waiting } else { CallbackState::NoCallbackUrl },
+            state: if req.callback_url.is_some() {
+                CallbackState::Waiting
+            } else {
+                CallbackState::NoCallbackUrl
+            },
             attempts: 0,
             last_status: None,
             last_error: None,
@@ -441,7 +336,8 @@ impl State {
 
     /// Opens an enrollment link: the recipient becomes reachable. Single use.
     pub(super) fn redeem_enrollment(&mut self, token: &str, now: DateTime<Utc>) -> Result<String, ApiError> {
-        let enrollment = self.enrollments.get_mut(token).ok_or_else(|| ApiError::not_found("enrollment link"))?;
+        let enrollment =
+            self.enrollments.get_mut(token).ok_or_else(|| ApiError::not_found("enrollment link"))?;
         if enrollment.used || now >= enrollment.expires_at {
             return Err(ApiError::new(
                 StatusCode::GONE,
@@ -457,21 +353,6 @@ impl State {
     pub(super) fn rotate_webhook_secret(&mut self) -> String {
         self.webhook_secret = super::new_webhook_secret();
         self.webhook_secret.clone()
-    }
-
-    pub fn decision_views(&self, now: DateTime<Utc>) -> Vec<DecisionView> {
-        let mut decisions: Vec<&Decision> = self.decisions.values().collect();
-        decisions.sort_by_key(|d| d.seq);
-        decisions.into_iter().map(|d| self.view_of(d, now)).collect()
-    }
-
-    pub fn decision_view(&self, id: &str, now: DateTime<Utc>) -> Option<DecisionView> {
-        self.decisions.get(id).map(|d| self.view_of(d, now))
-    }
-
-    fn view_of(&self, d: &Decision, now: DateTime<Utc>) -> DecisionView {
-        let permit = d.permit_id.as_ref().and_then(|p| self.permits.get(p));
-        d.view(self.consume_calls(&d.id), permit, now)
     }
 }
 
@@ -506,7 +387,7 @@ mod tests {
             Created::New(_) => panic!("a retry must not create a second decision"),
         }
         let changed = json!({"question": "q2", "idempotencyKey": "k", "externalId": "u"});
-        let err = s.create(req(changed), "http://h", "unreachable", now).err().expect("conflict");
+        let err = s.create(req(changed), "http://h", "unreachable", now).expect_err("conflict");
         assert_eq!(err.status, StatusCode::CONFLICT);
         assert_eq!(err.error, "idempotency key reused with a different payload");
         assert_eq!(s.decisions.len(), 1);
@@ -517,7 +398,7 @@ mod tests {
         let mut s = State::new("whsec_x".into());
         let now = Utc::now();
         let body = json!({"question": "q", "externalId": "unreachable-1", "requireReachable": true});
-        let err = s.create(req(body.clone()), "http://h", "unreachable", now).err().expect("409");
+        let err = s.create(req(body.clone()), "http://h", "unreachable", now).expect_err("409");
         assert_eq!(err.status, StatusCode::CONFLICT);
         assert_eq!(err.extra.get("reachable"), Some(&json!(false)));
         assert!(s.decisions.is_empty());
@@ -533,7 +414,8 @@ mod tests {
     fn status_answers_and_cancel() {
         let mut s = State::new("whsec_x".into());
         let now = Utc::now();
-        let body = json!({"question": "q", "expiresInSeconds": 60, "callbackUrl": "http://cb/x", "context": "c"});
+        let body =
+            json!({"question": "q", "expiresInSeconds": 60, "callbackUrl": "http://cb/x", "context": "c"});
         let a = new_id(s.create(req(body.clone()), "http://h", "u", now).expect("created"));
         let b = new_id(s.create(req(body.clone()), "http://h", "u", now).expect("created"));
         let c = new_id(s.create(req(body), "http://h", "u", now).expect("created"));
@@ -542,7 +424,7 @@ mod tests {
         let (json, job) = s.answer(&a, "yes", "api", CallbackMode::Send, now).expect("answered");
         assert_eq!(json["status"], "answered");
         assert!(job.is_some());
-        let again = s.answer(&a, "no", "api", CallbackMode::Send, now).err().expect("409");
+        let again = s.answer(&a, "no", "api", CallbackMode::Send, now).expect_err("409");
         assert_eq!(again.status, StatusCode::CONFLICT);
         assert_eq!(s.cancel(&a, now).expect("reported")["cancelled"], json!(false));
 
@@ -553,10 +435,11 @@ mod tests {
         let later = now + TimeDelta::seconds(61);
         assert_eq!(s.decision(&c).expect("c").status(later), Status::Expired);
         assert!(s.answer(&c, "yes", "api", CallbackMode::Send, later).is_err());
-        assert_eq!(s.cancel(&c, later).expect("reported"), json!({"decisionId": c, "cancelled": false, "status": "expired"}));
-        let d = new_id(
-            s.create(req(json!({"question": "q"})), "http://h", "u", now).expect("created"),
+        assert_eq!(
+            s.cancel(&c, later).expect("reported"),
+            json!({"decisionId": c, "cancelled": false, "status": "expired"})
         );
+        let d = new_id(s.create(req(json!({"question": "q"})), "http://h", "u", now).expect("created"));
         assert_eq!(s.cancel(&d, now).expect("cancelled")["cancelled"], json!(true));
         assert_eq!(s.cancel(&d, now).expect("again")["status"], json!("cancelled"));
     }

@@ -13,7 +13,6 @@ use reqwest::Method;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use super::state::CallbackState;
 use super::*;
 use crate::pushary::signature;
 
@@ -30,7 +29,8 @@ impl Receiver {
     async fn start(&self, shutdown: CancellationToken) -> String {
         async fn hook(State(r): State<Receiver>, headers: HeaderMap, body: Bytes) -> StatusCode {
             r.received.lock().expect("receiver lock").push((headers, body));
-            let failing = r.fail.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
+            let failing =
+                r.fail.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok();
             if failing { StatusCode::INTERNAL_SERVER_ERROR } else { StatusCode::OK }
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind receiver");
@@ -55,8 +55,7 @@ struct Client {
 
 impl Client {
     async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (u16, Value) {
-        let mut request =
-            self.http.request(method, format!("{}{path}", self.base)).bearer_auth(&self.key);
+        let mut request = self.http.request(method, format!("{}{path}", self.base)).bearer_auth(&self.key);
         if let Some(body) = body {
             request = request.json(&body);
         }
@@ -171,7 +170,9 @@ async fn the_whole_protocol_over_http() {
     assert_eq!(api.post("/authorizations/pmt_unknown/receipt", json!({"outcome": "failed"})).await.0, 404);
 
     // A lost callback and a forced refusal.
-    let (_, second) = api.post("/decisions", json!({"question": "Deploy?", "toolName": "deploy", "callbackUrl": hook})).await;
+    let (_, second) = api
+        .post("/decisions", json!({"question": "Deploy?", "toolName": "deploy", "callbackUrl": hook}))
+        .await;
     let second_id = second["decisionId"].as_str().expect("id").to_string();
     let callbacks_before = receiver.received.lock().expect("lock").len();
     sandbox.answer(&second_id, "yes", CallbackMode::Drop).await.expect("answered");
@@ -186,11 +187,20 @@ async fn the_whole_protocol_over_http() {
     let (_, rotated) = api.call(Method::POST, "/webhook-secret", None).await;
     let new = rotated["secret"].as_str().expect("secret").to_string();
     assert_ne!(new, old);
-    let (_, third) = api.post("/decisions", json!({"question": "Pick", "type": "select", "options": ["a", "b"], "callbackUrl": hook})).await;
+    let (_, third) = api
+        .post(
+            "/decisions",
+            json!({"question": "Pick", "type": "select", "options": ["a", "b"], "callbackUrl": hook}),
+        )
+        .await;
     let third_id = third["decisionId"].as_str().expect("id").to_string();
     sandbox.answer(&third_id, "b", CallbackMode::Send).await.expect("answered");
     assert!(delivered(&sandbox, &third_id).await);
-    assert_eq!(receiver.received.lock().expect("lock").len(), callbacks_before + 1, "the dropped one never came");
+    assert_eq!(
+        receiver.received.lock().expect("lock").len(),
+        callbacks_before + 1,
+        "the dropped one never came"
+    );
     let (headers, raw) = receiver.last();
     let sig = headers.get("x-pushary-signature").and_then(|v| v.to_str().ok()).expect("signature header");
     assert!(signature::verify([new.as_str()], &raw, sig));
@@ -202,7 +212,10 @@ async fn the_whole_protocol_over_http() {
     let (_, cancelled) = api.call(Method::DELETE, &format!("/decisions/{fourth_id}"), None).await;
     assert_eq!(cancelled, json!({"decisionId": fourth_id, "cancelled": true, "status": "cancelled"}));
     let (_, not_cancelled) = api.call(Method::DELETE, &format!("/decisions/{third_id}"), None).await;
-    assert_eq!((not_cancelled["cancelled"].clone(), not_cancelled["status"].clone()), (json!(false), json!("answered")));
+    assert_eq!(
+        (not_cancelled["cancelled"].clone(), not_cancelled["status"].clone()),
+        (json!(false), json!("answered"))
+    );
     assert_eq!(api.call(Method::GET, "/decisions/dec_nope", None).await.0, 404);
 
     // The example effect target: signed, executes once per key.
@@ -213,7 +226,11 @@ async fn the_whole_protocol_over_http() {
         let key = key.clone();
         async move {
             let ts = chrono::Utc::now().timestamp();
-            let sig = if signed { crate::webhooks::sign(&key, "msg_1", ts, body.as_bytes()) } else { "v1,AAAA".into() };
+            let sig = if signed {
+                crate::webhooks::sign(&key, "msg_1", ts, body.as_bytes())
+            } else {
+                "v1,AAAA".into()
+            };
             http.post(url)
                 .header("webhook-id", "msg_1")
                 .header("webhook-timestamp", ts.to_string())
@@ -240,7 +257,11 @@ async fn the_whole_protocol_over_http() {
     assert!(deliveries[2].verified && deliveries[2].executed && deliveries[3].replay);
 
     // The control routes and the page mirror the handle.
-    let control = http.get(format!("http://{}/sandbox/api/decisions/{id}", sandbox.addr)).send().await.expect("control");
+    let control = http
+        .get(format!("http://{}/sandbox/api/decisions/{id}", sandbox.addr))
+        .send()
+        .await
+        .expect("control");
     let view: DecisionView = control.json().await.expect("a decision view");
     assert_eq!(view.permit.and_then(|p| p.receipt).map(|r| r.outcome), Some("succeeded".into()));
     let page = http.get(sandbox.page_url()).send().await.expect("page").text().await.expect("html");
@@ -254,7 +275,8 @@ async fn the_page_answers_like_the_phone() {
     let shutdown = CancellationToken::new();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind sandbox");
     let sandbox = start(listener, SandboxConfig::default(), shutdown.clone()).await.expect("sandbox starts");
-    let http = crate::http::client_builder().redirect(reqwest::redirect::Policy::none()).build().expect("client");
+    let http =
+        crate::http::client_builder().redirect(reqwest::redirect::Policy::none()).build().expect("client");
     let api = Client { http: http.clone(), base: sandbox.base_url(), key: sandbox.api_key() };
     let (_, created) = api
         .post("/decisions", json!({"question": "Ship <b>now</b>?", "parameters": {"note": "\"quoted\""}}))
@@ -269,7 +291,8 @@ async fn the_page_answers_like_the_phone() {
     let answer_url = format!("http://{}/sandbox/decisions/{id}/answer", sandbox.addr);
     let bad = http.post(&answer_url).body(form("maybe")).send().await.expect("answer");
     assert_eq!(bad.status(), StatusCode::SEE_OTHER);
-    let location = bad.headers().get("location").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
+    let location =
+        bad.headers().get("location").and_then(|v| v.to_str().ok()).unwrap_or_default().to_string();
     assert!(location.starts_with("/?error="), "{location}");
     let good = http.post(&answer_url).body(form("yes")).send().await.expect("answer");
     assert_eq!(good.headers().get("location").and_then(|v| v.to_str().ok()), Some("/"));

@@ -110,7 +110,8 @@ pub(crate) fn parse_create(mut body: Map<String, Value>) -> Result<CreateRequest
 
     let callback_url = string(&body, "callbackUrl")?;
     if let Some(url) = &callback_url {
-        let parsed = url::Url::parse(url).map_err(|e| ApiError::invalid(format!("callbackUrl is not a URL: {e}")))?;
+        let parsed =
+            url::Url::parse(url).map_err(|e| ApiError::invalid(format!("callbackUrl is not a URL: {e}")))?;
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err(ApiError::invalid("callbackUrl must be an http or https URL"));
         }
@@ -168,7 +169,9 @@ pub(crate) fn parse_create(mut body: Map<String, Value>) -> Result<CreateRequest
 fn parse_options(body: &Map<String, Value>, kind: Kind) -> Result<Option<Vec<String>>, ApiError> {
     let Some(raw) = body.get("options") else {
         if kind == Kind::Select {
-            return Err(ApiError::invalid(format!("a select decision needs at least {MIN_SELECT_OPTIONS} options")));
+            return Err(ApiError::invalid(format!(
+                "a select decision needs at least {MIN_SELECT_OPTIONS} options"
+            )));
         }
         return Ok(None);
     };
@@ -192,7 +195,9 @@ fn parse_options(body: &Map<String, Value>, kind: Kind) -> Result<Option<Vec<Str
         options.push(option.to_string());
     }
     if options.len() < MIN_SELECT_OPTIONS {
-        return Err(ApiError::invalid(format!("a select decision needs at least {MIN_SELECT_OPTIONS} options")));
+        return Err(ApiError::invalid(format!(
+            "a select decision needs at least {MIN_SELECT_OPTIONS} options"
+        )));
     }
     Ok(Some(options))
 }
@@ -254,7 +259,9 @@ pub(crate) fn check_answer(kind: Kind, options: Option<&[String]>, answer: &str)
             if (1..=MAX_INPUT_ANSWER_CHARS).contains(&len) {
                 Ok(())
             } else {
-                Err(ApiError::invalid(format!("an input answer must be 1 to {MAX_INPUT_ANSWER_CHARS} characters")))
+                Err(ApiError::invalid(format!(
+                    "an input answer must be 1 to {MAX_INPUT_ANSWER_CHARS} characters"
+                )))
             }
         }
     }
@@ -314,7 +321,8 @@ mod tests {
     #[test]
     fn fingerprint_ignores_wait_and_key_order_only() {
         let a = parse(json!({"question": "q", "wait": true, "toolName": "t"})).expect("valid");
-        let b = parse(json!({"toolName": "t", "question": "q", "wait": false, "timeoutSeconds": 5})).expect("valid");
+        let b = parse(json!({"toolName": "t", "question": "q", "wait": false, "timeoutSeconds": 5}))
+            .expect("valid");
         let c = parse(json!({"toolName": "t2", "question": "q"})).expect("valid");
         assert_eq!(a.fingerprint, b.fingerprint);
         assert_ne!(a.fingerprint, c.fingerprint);
@@ -327,7 +335,9 @@ mod tests {
         assert!(error_of(json!({"question": "q", "type": "poll"})).contains("type"));
         assert!(error_of(json!({"question": "q", "type": "select"})).contains("options"));
         assert!(error_of(json!({"question": "q", "type": "select", "options": ["a"]})).contains("options"));
-        assert!(error_of(json!({"question": "q", "type": "select", "options": ["a", "a"]})).contains("twice"));
+        assert!(
+            error_of(json!({"question": "q", "type": "select", "options": ["a", "a"]})).contains("twice")
+        );
         assert!(error_of(json!({"question": "q", "externalId": ""})).contains("blank"));
         assert!(error_of(json!({"question": "q", "externalId": "😀".repeat(129)})).contains("UTF-16"));
         assert!(parse(json!({"question": "q", "externalId": "😀".repeat(128)})).is_ok());

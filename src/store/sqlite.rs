@@ -6,7 +6,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::migrate::{Migration, MigrationType, Migrator};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
 use sqlx::{AssertSqlSafe, Row, SqlStr};
 
 use super::rows::{DeliveryRecord, InboxEntry, Operation, Transition};
@@ -36,7 +38,9 @@ fn migrator() -> Migrator {
     let files: &[(i64, &str, &str)] = &[(1, "init", include_str!("../../migrations/sqlite/0001_init.sql"))];
     let migrations = files
         .iter()
-        .map(|(v, d, sql)| Migration::new(*v, (*d).into(), MigrationType::Simple, SqlStr::from_static(sql), false))
+        .map(|(v, d, sql)| {
+            Migration::new(*v, (*d).into(), MigrationType::Simple, SqlStr::from_static(sql), false)
+        })
         .collect();
     let mut m = Migrator::with_migrations(migrations);
     m.dangerous_set_table_name(MIGRATIONS_TABLE);
@@ -60,7 +64,7 @@ impl Store {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(synchronous)
-            .busy_timeout(Duration::from_secs(10))
+            .busy_timeout(Duration::from_millis(config.busy_timeout_ms))
             .foreign_keys(true);
         let pool = SqlitePoolOptions::new()
             .max_connections(config.max_connections)
@@ -124,11 +128,15 @@ impl Store {
         .execute(&mut *tx)
         .await?;
         if done.rows_affected() == 0 {
-            let row = sqlx::query(concat!("SELECT ", op_cols!(), " FROM operations WHERE tenant = $1 AND operation_key = $2"))
-                .bind(&op.tenant)
-                .bind(&op.operation_key)
-                .fetch_one(&mut *tx)
-                .await?;
+            let row = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE tenant = $1 AND operation_key = $2"
+            ))
+            .bind(&op.tenant)
+            .bind(&op.operation_key)
+            .fetch_one(&mut *tx)
+            .await?;
             tx.rollback().await?;
             return Ok(Inserted::Existing(Box::new(Operation::from_row(&row)?)));
         }
@@ -137,7 +145,11 @@ impl Store {
         Ok(Inserted::Created)
     }
 
-    pub async fn get_operation(&self, tenant: Option<&str>, id: &str) -> Result<Option<Operation>, StoreError> {
+    pub async fn get_operation(
+        &self,
+        tenant: Option<&str>,
+        id: &str,
+    ) -> Result<Option<Operation>, StoreError> {
         let row = sqlx::query(concat!(
             "SELECT ",
             op_cols!(),
@@ -292,8 +304,9 @@ impl Store {
             Some(id) => InboxInsert::Stored(id),
             None => {
                 let id: i64 = sqlx::query_scalar(
-                    "UPDATE inbox SET duplicates = duplicates + 1 WHERE tenant = $1 AND correlation_id = $2 \
-                     RETURNING id",
+                    "UPDATE inbox SET duplicates = duplicates + 1, \
+                     state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
+                     WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
                 )
                 .bind(e.tenant)
                 .bind(e.correlation_id)
@@ -334,6 +347,46 @@ impl Store {
         .fetch_optional(&self.pool)
         .await?;
         row.as_ref().map(InboxEntry::from_row).transpose()
+    }
+
+    pub async fn inbox_entry(&self, id: i64) -> Result<Option<(InboxEntry, Vec<u8>)>, StoreError> {
+        let row = sqlx::query(concat!("SELECT ", inbox_cols!(), ", body FROM inbox WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        match row {
+            None => Ok(None),
+            Some(r) => Ok(Some((InboxEntry::from_row(&r)?, r.try_get("body")?))),
+        }
+    }
+
+    /// Marks callbacks that matched no operation for too long. They stay
+    /// in the inbox, visible; nothing is deleted.
+    pub async fn orphan_unmatched(&self, received_before: i64, now: i64) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "UPDATE inbox SET state = 'orphaned', processed_at = $2, \
+             note = 'no operation matched this decision in time' \
+             WHERE state = 'new' AND received_at <= $1 AND NOT EXISTS (SELECT 1 FROM operations o \
+               WHERE o.tenant = inbox.tenant AND o.decision_id = inbox.correlation_id)",
+        )
+        .bind(received_before)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// An orphan whose decision id is now known goes back to work.
+    pub async fn revive_orphan(&self, tenant: &str, correlation_id: &str) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE inbox SET state = 'new', note = 'revived: its operation now knows the decision id' \
+             WHERE tenant = $1 AND correlation_id = $2 AND state = 'orphaned'",
+        )
+        .bind(tenant)
+        .bind(correlation_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     // ---- work selection and leases -----------------------------------------------------------
@@ -385,14 +438,22 @@ impl Store {
     }
 
     /// Extends a lease we hold; false means it was lost to another worker.
-    pub async fn renew_lease(&self, tenant: &str, thread_id: &str, owner: &str, until: i64) -> Result<bool, StoreError> {
-        let done = sqlx::query("UPDATE thread_leases SET until = $4 WHERE tenant = $1 AND thread_id = $2 AND owner = $3")
-            .bind(tenant)
-            .bind(thread_id)
-            .bind(owner)
-            .bind(until)
-            .execute(&self.pool)
-            .await?;
+    pub async fn renew_lease(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        owner: &str,
+        until: i64,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE thread_leases SET until = $4 WHERE tenant = $1 AND thread_id = $2 AND owner = $3",
+        )
+        .bind(tenant)
+        .bind(thread_id)
+        .bind(owner)
+        .bind(until)
+        .execute(&self.pool)
+        .await?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -433,11 +494,15 @@ impl Store {
             .fetch_one(&self.pool)
             .await?;
         let entry = InboxEntry::from_row(&entry)?;
-        let op = sqlx::query(concat!("SELECT ", op_cols!(), " FROM operations WHERE tenant = $1 AND decision_id = $2"))
-            .bind(tenant)
-            .bind(&entry.correlation_id)
-            .fetch_one(&self.pool)
-            .await?;
+        let op = sqlx::query(concat!(
+            "SELECT ",
+            op_cols!(),
+            " FROM operations WHERE tenant = $1 AND decision_id = $2"
+        ))
+        .bind(tenant)
+        .bind(&entry.correlation_id)
+        .fetch_one(&self.pool)
+        .await?;
         Ok(Some((entry, Operation::from_row(&op)?)))
     }
 
@@ -476,14 +541,16 @@ impl Store {
         operation_id: Option<&str>,
         at: i64,
     ) -> Result<(), StoreError> {
-        sqlx::query("UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5")
-            .bind(state)
-            .bind(note)
-            .bind(operation_id)
-            .bind(at)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5",
+        )
+        .bind(state)
+        .bind(note)
+        .bind(operation_id)
+        .bind(at)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 

@@ -18,6 +18,9 @@ pub struct EffectTarget {
     /// Signing keys; two during a rotation, each yields a signature.
     pub keys: Vec<Vec<u8>>,
     pub timeout: Duration,
+    /// Deduplicates on `Idempotency-Key`, so an interrupted approval may be
+    /// delivered again instead of ending `uncertain`.
+    pub redeliver_safe: bool,
 }
 
 pub(crate) enum Outcome {

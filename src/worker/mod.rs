@@ -2,8 +2,8 @@
 //! process its inbox entries in arrival order and drive its operations one
 //! step at a time; and the reconciler's sweeps.
 
-mod cancel;
 mod delivery;
+mod operator;
 mod reconciler;
 mod steps;
 
@@ -16,8 +16,8 @@ use backon::{BackoffBuilder, ExponentialBuilder};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-pub use cancel::CancelError;
 pub use delivery::{EffectTarget, outcome_body};
+pub use operator::{CancelError, ResolveError, resolve};
 pub use reconciler::Sweep;
 
 use crate::clock::now_ms;
@@ -33,6 +33,7 @@ pub struct EngineSettings {
     pub retry_max_ms: u64,
     pub rejection_window_ms: i64,
     pub poll_after_ms: i64,
+    pub orphan_after_ms: i64,
     pub reconcile_every: Duration,
     pub concurrency: usize,
     /// Safety-net poll for work when no wake-up arrives.
@@ -47,6 +48,7 @@ impl EngineSettings {
             retry_max_ms: c.worker.retry_max_secs.saturating_mul(1000),
             rejection_window_ms: secs_ms(c.worker.rejection_delivery_window_secs),
             poll_after_ms: secs_ms(c.reconciler.poll_after_secs),
+            orphan_after_ms: secs_ms(c.reconciler.orphan_after_secs),
             reconcile_every: Duration::from_secs(c.reconciler.interval_secs),
             concurrency: c.worker.concurrency,
             idle_poll: Duration::from_secs(5),

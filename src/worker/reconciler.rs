@@ -24,6 +24,7 @@ pub struct Sweep {
     pub polled: usize,
     pub answers_found: usize,
     pub ended_remotely: usize,
+    pub orphaned: u64,
 }
 
 impl Engine {
@@ -67,6 +68,10 @@ impl Engine {
                 Polled::Ended => sweep.ended_remotely += 1,
                 Polled::Nothing => {}
             }
+        }
+        sweep.orphaned = self.store.orphan_unmatched(now - self.settings.orphan_after_ms, now).await?;
+        if sweep.orphaned > 0 {
+            tracing::warn!(count = sweep.orphaned, "callbacks that match no operation marked orphaned");
         }
         if sweep.expired + sweep.answers_found + sweep.ended_remotely > 0 {
             self.wake();
@@ -136,7 +141,11 @@ impl Engine {
                 Ok(Polled::Nothing)
             }
             Err(e) => {
-                let retry = if matches!(e, PusharyError::Status { status: 404, .. }) { next_poll } else { now_ms() + self.backoff_ms(op.attempts + 1) };
+                let retry = if matches!(e, PusharyError::Status { status: 404, .. }) {
+                    next_poll
+                } else {
+                    now_ms() + self.backoff_ms(op.attempts + 1)
+                };
                 tracing::warn!(operation_id = %op.id, error = %e, "poll failed");
                 op.poll_at = Some(retry.max(now_ms() + 1000));
                 op.updated_at = now_ms();

@@ -57,10 +57,16 @@ impl Engine {
             return self.store.settle_inbox(entry.id, "ignored", &note, Some(&op.id), now).await;
         }
         let early = op.opened_at.is_some_and(|opened| entry.received_at < opened);
-        let note = if early { "early answer: arrived before the decision id was recorded" } else { "matched" };
+        let note =
+            if early { "early answer: arrived before the decision id was recorded" } else { "matched" };
         let t = if now >= op.deadline {
             op.answer = Some(entry.answer.clone());
-            reject(&mut op, State::Expired, format!("answer arrived via {} after the deadline", entry.source), ACTOR)
+            reject(
+                &mut op,
+                State::Expired,
+                format!("answer arrived via {} after the deadline", entry.source),
+                ACTOR,
+            )
         } else {
             op.answer = Some(entry.answer.clone());
             op.poll_at = None;
@@ -108,7 +114,8 @@ impl Engine {
     async fn open(&self, mut op: Operation) -> Result<(), StoreError> {
         let now = now_ms();
         if now >= op.deadline {
-            let t = reject(&mut op, State::Expired, "deadline passed before the decision could be opened", ACTOR);
+            let t =
+                reject(&mut op, State::Expired, "deadline passed before the decision could be opened", ACTOR);
             self.store.save(&mut op, &[t], None).await?;
             return Ok(());
         }
@@ -120,15 +127,23 @@ impl Engine {
                 op.last_error = None;
                 op.poll_at = Some(now_ms() + self.settings.poll_after_ms);
                 op.due_at = None;
-                let t = transition(&mut op, State::Pending, format!("decision {} opened", created.decision_id), ACTOR);
+                let t = transition(
+                    &mut op,
+                    State::Pending,
+                    format!("decision {} opened", created.decision_id),
+                    ACTOR,
+                );
                 if self.store.save(&mut op, &[t], None).await? {
                     tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %created.decision_id, "decision opened");
+                    // An answer that came so early it was marked orphaned is live again.
+                    self.store.revive_orphan(&op.tenant, &created.decision_id).await?;
                 }
             }
             Err(PusharyError::Status { status: 409, message, .. })
                 if op.decision_request.get("requireReachable") == Some(&Value::Bool(true)) =>
             {
-                let t = reject(&mut op, State::Unreachable, format!("recipient not reachable: {message}"), ACTOR);
+                let t =
+                    reject(&mut op, State::Unreachable, format!("recipient not reachable: {message}"), ACTOR);
                 self.store.save(&mut op, &[t], None).await?;
             }
             Err(e) => {
@@ -194,7 +209,12 @@ impl Engine {
                 op.attempts = 0;
                 op.last_error = None;
                 op.due_at = Some(now_ms());
-                let t = transition(&mut op, State::Permitted, format!("permit {} consumed", permit.permit_id), ACTOR);
+                let t = transition(
+                    &mut op,
+                    State::Permitted,
+                    format!("permit {} consumed", permit.permit_id),
+                    ACTOR,
+                );
                 self.store.save(&mut op, &[t], None).await?;
             }
             Err(e) if e.refusal() == Some("already_consumed") && earlier_unknown => {
@@ -247,8 +267,15 @@ impl Engine {
             }
         }
         if op.delivery_inflight && approval {
-            // A process died mid-delivery: the effect may have run.
-            return self.uncertain(op, "a delivery attempt was interrupted; the effect may have run").await;
+            // A process died mid-delivery: the effect may have run. Only a
+            // target that deduplicates on the idempotency key may see it again.
+            let safe = self.effects.get(&op.effect).is_some_and(|t| t.redeliver_safe);
+            if !safe {
+                return self
+                    .uncertain(op, "a delivery attempt was interrupted; the effect may have run")
+                    .await;
+            }
+            tracing::info!(operation_id = %op.id, "redelivering an interrupted approval to a redeliver-safe target");
         }
         if approval && now >= op.deadline {
             return self.uncertain(op, "the effect did not confirm before the deadline").await;
@@ -283,7 +310,12 @@ impl Engine {
                     op.receipt = Some("pending".into());
                     op.receipt_outcome = Some("failed".into());
                 }
-                let t = transition(&mut op, State::Failed, format!("the effect target refused with {code}"), ACTOR);
+                let t = transition(
+                    &mut op,
+                    State::Failed,
+                    format!("the effect target refused with {code}"),
+                    ACTOR,
+                );
                 op.due_at = needs_work(&op).then_some(op.updated_at);
                 self.store.save(&mut op, &[t], None).await?;
             }
@@ -291,7 +323,9 @@ impl Engine {
                 self.retry_later(&mut op, &error);
                 let past_deadline = op.due_at.is_some_and(|d| d >= op.deadline);
                 if approval && past_deadline {
-                    return self.uncertain(op, &format!("no confirmation before the deadline: {error}")).await;
+                    return self
+                        .uncertain(op, &format!("no confirmation before the deadline: {error}"))
+                        .await;
                 }
                 if !approval && op.updated_at - op.created_at > self.settings.rejection_window_ms {
                     op.delivery = Some("abandoned".into());

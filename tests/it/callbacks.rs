@@ -11,7 +11,8 @@ async fn unverified_or_malformed_callbacks_are_rejected_and_store_nothing() {
     let app = TestApp::spawn().await;
     let (body, good_sig) = app.signed_callback("dec_x", "yes");
     let forged = approvald::pushary::signature::sign("whsec_attacker", &body);
-    let wrong_secret_of_same_shape = approvald::pushary::signature::sign(&format!("{}x", app.webhook_secret), &body);
+    let wrong_secret_of_same_shape =
+        approvald::pushary::signature::sign(&format!("{}x", app.webhook_secret), &body);
     let mut tampered = body.clone();
     tampered[20] ^= 1;
     let huge = vec![b' '; 64 * 1024 + 1];
@@ -121,7 +122,9 @@ async fn an_early_callback_waits_in_the_inbox_until_the_decision_id_is_recorded(
     app.answer(&decision, "yes").await;
     assert!(
         app.sandbox
-            .wait_for(crate::harness::WAIT, |s| s.decision(&decision).is_some_and(|d| d.callback.delivered_at.is_some()))
+            .wait_for(crate::harness::WAIT, |s| s
+                .decision(&decision)
+                .is_some_and(|d| d.callback.delivered_at.is_some()))
             .await,
         "the callback reaches approvald"
     );
@@ -146,7 +149,8 @@ async fn a_callback_for_an_unknown_decision_is_kept_not_lost() {
     let (body, sig) = app.signed_callback("dec_nobody_knows", "yes");
     let (status, v) = app.post_callback(&body, Some(&sig)).await;
     assert_eq!(status, 200, "{v}");
-    let entry = app.store().inbox_by_correlation("default", "dec_nobody_knows").await.expect("store").expect("kept");
+    let entry =
+        app.store().inbox_by_correlation("default", "dec_nobody_knows").await.expect("store").expect("kept");
     assert_eq!(entry.state, "new");
 }
 

@@ -48,7 +48,11 @@ async fn every_violated_bound_is_a_422_naming_the_field_and_stores_nothing() {
         ("parameters", json!({"nested": {"a": 1}}), "parameters.nested"),
         ("parameters", json!({"list": [1]}), "parameters.list"),
         ("parameters", json!({"long": "v".repeat(201)}), "parameters.long"),
-        ("parameters", json!({ "k".repeat(65): 1 }), &*Box::leak(format!("parameters.{}", "k".repeat(65)).into_boxed_str())),
+        (
+            "parameters",
+            json!({ "k".repeat(65): 1 }),
+            &*Box::leak(format!("parameters.{}", "k".repeat(65)).into_boxed_str()),
+        ),
         ("expiresInSeconds", json!(0), "expiresInSeconds"),
         ("expiresInSeconds", json!("60"), "expiresInSeconds"),
         ("deadline", json!("not a time"), "deadline"),
@@ -86,7 +90,14 @@ async fn requests_without_a_valid_token_or_json_are_refused() {
     let url = format!("{}/v1/operations", app.base);
     let no_token = app.http.post(&url).json(&confirm("auth")).send().await.expect("send");
     assert_eq!(no_token.status().as_u16(), 401);
-    let wrong = app.http.post(&url).bearer_auth("test-token-0123456780").json(&confirm("auth")).send().await.expect("send");
+    let wrong = app
+        .http
+        .post(&url)
+        .bearer_auth("test-token-0123456780")
+        .json(&confirm("auth"))
+        .send()
+        .await
+        .expect("send");
     assert_eq!(wrong.status().as_u16(), 401);
     let body: Value = wrong.json().await.expect("json");
     assert_eq!(body["code"], "unauthorized");
@@ -102,8 +113,15 @@ async fn requests_without_a_valid_token_or_json_are_refused() {
         .expect("send");
     assert_eq!(not_json.status().as_u16(), 400);
     assert_eq!(not_json.json::<Value>().await.expect("json")["code"], "invalid_json");
-    let wrong_type =
-        app.http.post(&url).bearer_auth(TOKEN).header("content-type", "text/plain").body("{}").send().await.expect("send");
+    let wrong_type = app
+        .http
+        .post(&url)
+        .bearer_auth(TOKEN)
+        .header("content-type", "text/plain")
+        .body("{}")
+        .send()
+        .await
+        .expect("send");
     assert_eq!(wrong_type.status().as_u16(), 415);
     let too_big = app
         .http
@@ -118,7 +136,8 @@ async fn requests_without_a_valid_token_or_json_are_refused() {
     let unknown = app.http.get(format!("{url}/op_nope")).bearer_auth(TOKEN).send().await.expect("send");
     assert_eq!(unknown.status().as_u16(), 404);
     assert_eq!(unknown.json::<Value>().await.expect("json")["code"], "not_found");
-    let bad_filter = app.http.get(format!("{url}?state=bogus")).bearer_auth(TOKEN).send().await.expect("send");
+    let bad_filter =
+        app.http.get(format!("{url}?state=bogus")).bearer_auth(TOKEN).send().await.expect("send");
     assert_eq!(bad_filter.status().as_u16(), 400);
     assert!(app.store().list_operations(&Default::default()).await.expect("list").is_empty());
 }

@@ -31,14 +31,20 @@ async fn confirm_yes_consumes_once_delivers_the_permit_and_records_the_receipt()
     assert_eq!(d["checkpointId"], "cp-1");
     assert_eq!(d["revision"], "rev-3");
     assert_eq!(d["subject"]["parameters"]["amount"], 40);
-    let effect = app.sandbox.effect_deliveries().into_iter().find(|e| e.body["operationId"] == id).expect("seen");
+    let effect =
+        app.sandbox.effect_deliveries().into_iter().find(|e| e.body["operationId"] == id).expect("seen");
     assert!(effect.verified, "the Standard Webhooks signature must verify");
     assert!(effect.executed);
     assert_eq!(effect.idempotency_key.as_deref(), d["idempotencyKey"].as_str());
 
     let receipt = app.sandbox.receipts(permit).expect("receipt at the sandbox");
     assert_eq!(receipt.outcome, "succeeded");
-    let states: Vec<&str> = op["transitions"].as_array().expect("history").iter().map(|t| t["to"].as_str().unwrap_or("")).collect();
+    let states: Vec<&str> = op["transitions"]
+        .as_array()
+        .expect("history")
+        .iter()
+        .map(|t| t["to"].as_str().unwrap_or(""))
+        .collect();
     assert_eq!(states, ["enqueued", "pending", "answered", "permitted", "delivering", "succeeded"]);
     assert_eq!(op["result"]["executed"], true, "the effect's 2xx body is kept as the result");
 }
@@ -126,7 +132,9 @@ async fn malformed_answers_are_invalid_and_consume_nothing() {
 async fn each_permit_refusal_ends_refused_and_nothing_approved_is_delivered() {
     let app = TestApp::spawn().await;
     for (n, refusal) in
-        [Refusal::NotAuthorized, Refusal::ActionMismatch, Refusal::Expired, Refusal::AlreadyConsumed].into_iter().enumerate()
+        [Refusal::NotAuthorized, Refusal::ActionMismatch, Refusal::Expired, Refusal::AlreadyConsumed]
+            .into_iter()
+            .enumerate()
     {
         let id = app.enqueue_ok(&confirm(&format!("refusal-{n}"))).await;
         let decision = app.decision_of(&id).await;
@@ -202,7 +210,8 @@ async fn an_effect_that_fails_with_5xx_is_retried_with_the_same_key_then_succeed
     assert_eq!(seen.len(), 3, "two 503s then a success");
     let keys: std::collections::BTreeSet<_> = seen.iter().map(|e| e.idempotency_key.clone()).collect();
     assert_eq!(keys.len(), 1, "every attempt carries the same Idempotency-Key");
-    let ids: std::collections::BTreeSet<_> = seen.iter().map(|e| e.headers.get("webhook-id").cloned()).collect();
+    let ids: std::collections::BTreeSet<_> =
+        seen.iter().map(|e| e.headers.get("webhook-id").cloned()).collect();
     assert_eq!(ids.len(), 1, "webhook-id is stable across retries");
     assert_eq!(seen.iter().filter(|e| e.executed).count(), 1);
     assert_eq!(app.sandbox.consume_calls(&decision), 1);

@@ -16,7 +16,12 @@ fn signature_verification_agrees_with_every_vector() {
         let secret = case["secret"].as_str().expect("secret");
         let sig = case["signature"].as_str().expect("signature");
         let valid = case["valid"].as_bool().expect("valid");
-        assert_eq!(approvald::pushary::signature::verify([secret], &body, sig), valid, "vector {}", case["name"]);
+        assert_eq!(
+            approvald::pushary::signature::verify([secret], &body, sig),
+            valid,
+            "vector {}",
+            case["name"]
+        );
         if valid {
             assert_eq!(approvald::pushary::signature::sign(secret, &body), sig, "vector {}", case["name"]);
         }
@@ -27,7 +32,12 @@ fn signature_verification_agrees_with_every_vector() {
 fn deterministic_keys_agree_with_every_vector() {
     let v = vectors();
     for case in v["deterministic_keys"].as_array().expect("keys") {
-        let parts: Vec<&str> = case["parts"].as_array().expect("parts").iter().map(|p| p.as_str().expect("str")).collect();
-        assert_eq!(approvald::domain::keys::deterministic_key(&parts), case["key"].as_str().expect("key"), "{parts:?}");
+        let parts: Vec<&str> =
+            case["parts"].as_array().expect("parts").iter().map(|p| p.as_str().expect("str")).collect();
+        assert_eq!(
+            approvald::domain::keys::deterministic_key(&parts),
+            case["key"].as_str().expect("key"),
+            "{parts:?}"
+        );
     }
 }
