@@ -154,7 +154,10 @@ impl Config {
             }
             figment = figment.merge(Toml::file(path));
         }
-        figment = figment.merge(Env::prefixed("APPROVALD_").split("__"));
+        // Only APPROVALD_<SECTION>__<KEY>: other APPROVALD_* variables
+        // (APPROVALD_CONFIG, test switches) are not configuration keys.
+        figment =
+            figment.merge(Env::prefixed("APPROVALD_").filter(|k| k.as_str().contains("__")).split("__"));
         Self::from_figment(figment)
     }
 

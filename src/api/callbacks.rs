@@ -33,7 +33,6 @@ pub(super) async fn receive(
         tracing::warn!(bytes = bytes.len(), "callback rejected: signature does not verify");
         return Err(ApiError::Unauthorized { detail: "the signature does not verify" });
     }
-    crate::fault::point("callback_verified");
     let parsed: Value = serde_json::from_slice(&bytes)
         .map_err(|_| ApiError::bad_request("invalid_json", "the callback body is not JSON"))?;
     let (Some(correlation_id), Some(answer)) =

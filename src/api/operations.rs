@@ -152,6 +152,7 @@ pub fn view(op: &Operation, transitions: &[Transition], deliveries: Option<Value
         "decisionId": op.decision_id,
         "answer": op.answer,
         "permitId": op.permit_id,
+        "idempotencyKey": op.idempotency_key,
         "outcome": op.outcome_status,
         "delivery": op.delivery,
         "receipt": op.receipt,

@@ -3,6 +3,8 @@
 
 mod callbacks;
 mod cli;
+mod crash;
+mod daemon;
 mod enqueue;
 mod harness;
 mod outcomes;
