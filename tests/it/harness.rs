@@ -23,6 +23,8 @@ pub struct Options {
     /// No background workers: the test drives the engine step by step.
     pub manual: bool,
     pub extra_toml: String,
+    pub store_busy_ms: Option<u64>,
+    pub orphan_after_secs: Option<u64>,
 }
 
 pub struct TestApp {
@@ -68,6 +70,7 @@ impl TestApp {
             public_url = "http://{addr}"
             [store]
             url = "sqlite://{db}"
+            busy_timeout_ms = {busy}
             [api]
             tokens = ["{TOKEN}"]
             [pushary]
@@ -82,6 +85,7 @@ impl TestApp {
             [reconciler]
             interval_secs = 1
             poll_after_secs = {poll}
+            orphan_after_secs = {orphan}
             [effects.orders]
             url = "{effect}"
             secret = "{effect_secret}"
@@ -94,6 +98,8 @@ impl TestApp {
             whsec = sandbox.webhook_secret(),
             rr = opts.require_reachable,
             poll = opts.poll_after_secs.unwrap_or(3600),
+            busy = opts.store_busy_ms.unwrap_or(5000),
+            orphan = opts.orphan_after_secs.unwrap_or(3600),
             effect = sandbox.effect_url(),
             extra = opts.extra_toml,
         );
@@ -121,6 +127,10 @@ impl TestApp {
             shutdown,
             _dir: dir,
         }
+    }
+
+    pub fn db_path(&self) -> std::path::PathBuf {
+        self._dir.path().join("approvald.db")
     }
 
     pub fn store(&self) -> &Store {

@@ -6,6 +6,7 @@ mod cli;
 mod crash;
 mod daemon;
 mod enqueue;
+mod faults;
 mod harness;
 mod outcomes;
 mod reconciler;

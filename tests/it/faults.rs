@@ -1,0 +1,162 @@
+//! Faults that are not crashes: a locked store, a stale lease, callbacks
+//! that match nothing, an effect target that never confirms.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use sqlx::Connection;
+
+use crate::harness::{Options, TestApp, WAIT, confirm};
+
+#[tokio::test]
+async fn a_locked_store_answers_503_acknowledges_nothing_and_recovers() {
+    let app = TestApp::spawn_with(Options {
+        extra_toml: String::new(),
+        store_busy_ms: Some(200),
+        ..Options::default()
+    })
+    .await;
+    let id = app.enqueue_ok(&confirm("locked")).await;
+    let decision = app.decision_of(&id).await;
+
+    let mut lock = sqlx::SqliteConnection::connect(&format!("sqlite://{}", app.db_path().display()))
+        .await
+        .expect("second connection");
+    sqlx::query("BEGIN EXCLUSIVE").execute(&mut lock).await.expect("lock");
+    let (body, sig) = app.signed_callback(&decision, "yes");
+    let (status, err) = app.post_callback(&body, Some(&sig)).await;
+    assert_eq!(status, 503, "{err}");
+    assert_eq!(err["code"], "store_unavailable");
+    // The sandbox's own callback meets the same lock and keeps retrying.
+    app.answer(&decision, "yes").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        app.sandbox.decision(&decision).expect("d").callback.delivered_at,
+        None,
+        "nothing acknowledged"
+    );
+    sqlx::query("ROLLBACK").execute(&mut lock).await.expect("unlock");
+    drop(lock);
+    assert_eq!(app.inbox_len().await, 0, "nothing was stored while locked");
+
+    let op = app.wait_op(&id, "receipt recorded", |o| o["receipt"] == "recorded").await;
+    assert_eq!(op["state"], "succeeded");
+    assert_eq!(app.sandbox.consume_calls(&decision), 1);
+    assert!(app.sandbox.decision(&decision).expect("d").callback.attempts >= 2);
+}
+
+#[tokio::test]
+async fn a_thread_held_by_a_dead_worker_is_taken_over_when_its_lease_expires() {
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let now = approvald::clock::now_ms();
+    assert!(
+        app.store()
+            .acquire_lease("default", "thread-lease", "dead-worker", now, now + 1000)
+            .await
+            .expect("lease")
+    );
+    let id = app.enqueue_ok(&confirm("lease")).await;
+    app.drain().await;
+    assert_eq!(app.get(&id).await["state"], "enqueued", "the thread is held by someone else");
+    let start = Instant::now();
+    loop {
+        app.drain().await;
+        if app.get(&id).await["state"] == "pending" {
+            break;
+        }
+        assert!(start.elapsed() < WAIT, "the lease never expired");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(start.elapsed() >= Duration::from_millis(500), "taken over only after expiry");
+}
+
+#[tokio::test]
+async fn callbacks_that_never_match_become_visible_orphans_and_revive_if_their_operation_appears() {
+    let app = TestApp::spawn_with(Options {
+        manual: true,
+        extra_toml: String::new(),
+        orphan_after_secs: Some(0),
+        ..Options::default()
+    })
+    .await;
+    let (body, sig) = app.signed_callback("dec_stray", "yes");
+    assert_eq!(app.post_callback(&body, Some(&sig)).await.0, 200);
+    // (The reconciler's own first sweep may have got there first.)
+    app.engine.reconcile_once().await.expect("sweep");
+    let orphans = app.store().list_inbox(Some("orphaned"), 10).await.expect("inbox");
+    assert_eq!(orphans.len(), 1);
+    assert_eq!(orphans[0].correlation_id, "dec_stray");
+    // Listed through the API too, and never deleted.
+    let listed: serde_json::Value = app
+        .http
+        .get(format!("{}/v1/inbox?state=orphaned", app.base))
+        .bearer_auth(crate::harness::TOKEN)
+        .send()
+        .await
+        .expect("list")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(listed["entries"][0]["correlationId"], "dec_stray");
+
+    // An early answer marked orphaned (the opener was down for long) comes
+    // back to life once its operation records the decision id.
+    let id = app.enqueue_ok(&confirm("revive")).await;
+    let op = app.store().get_operation(None, &id).await.expect("store").expect("op");
+    let created: serde_json::Value = app
+        .http
+        .post(format!("{}/decisions", app.sandbox.base_url()))
+        .bearer_auth(app.sandbox.api_key())
+        .json(&op.decision_request)
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let decision = created["decisionId"].as_str().expect("id").to_string();
+    app.sandbox.answer(&decision, "yes", approvald::sandbox::CallbackMode::Drop).await.expect("answer");
+    let (b, s) = app.signed_callback(&decision, "yes");
+    assert_eq!(app.post_callback(&b, Some(&s)).await.0, 200);
+    app.engine.reconcile_once().await.expect("sweep");
+    let entry = app.store().inbox_by_correlation("default", &decision).await.expect("store").expect("entry");
+    assert_eq!(entry.state, "orphaned");
+    app.drain().await;
+    let op = app.get(&id).await;
+    assert_eq!(op["state"], "succeeded", "{op:#}");
+    assert_eq!(app.sandbox.consume_calls(&decision), 1);
+}
+
+#[tokio::test]
+async fn an_effect_target_that_never_confirms_is_retried_with_one_key_then_uncertain() {
+    let app = TestApp::spawn().await;
+    app.sandbox.set_effect_response(503, 10_000);
+    let mut body = confirm("effect-down");
+    body["expiresInSeconds"] = json!(3);
+    let id = app.enqueue_ok(&body).await;
+    let decision = app.decision_of(&id).await;
+    app.answer(&decision, "yes").await;
+    let op = app.wait_state(&id, &["uncertain", "succeeded", "failed"]).await;
+    assert_eq!(op["state"], "uncertain", "{op:#}");
+    let seen: Vec<_> =
+        app.sandbox.effect_deliveries().into_iter().filter(|e| e.body["operationId"] == id).collect();
+    assert!(seen.len() >= 2, "retried: {}", seen.len());
+    assert_eq!(
+        seen.iter().map(|e| e.idempotency_key.clone()).collect::<std::collections::BTreeSet<_>>().len(),
+        1
+    );
+    assert!(seen.iter().all(|e| !e.executed));
+    assert_eq!(app.sandbox.consume_calls(&decision), 1, "never a second approval");
+}
+
+#[tokio::test]
+async fn a_rejection_whose_target_fails_is_retried_until_it_is_delivered() {
+    let app = TestApp::spawn().await;
+    app.sandbox.set_effect_response(500, 3);
+    let id = app.enqueue_ok(&confirm("reject-retry")).await;
+    let decision = app.decision_of(&id).await;
+    app.answer(&decision, "no").await;
+    let op = app.wait_op(&id, "delivered", |o| o["delivery"] == "done").await;
+    assert_eq!(op["state"], "denied");
+    assert_eq!(app.deliveries_for(&id).len(), 4);
+}
