@@ -184,11 +184,7 @@ impl Shared {
                 Ok(()) => return true,
                 Err(wake) => wake,
             };
-            let mut until = deadline;
-            if let Some(at) = wake {
-                let in_ = (at - now).to_std().unwrap_or(Duration::ZERO);
-                until = until.min(Instant::now() + in_);
-            }
+            let until = deadline.min(instant_at(wake, now));
             tokio::select! {
                 changed = rx.changed() => {
                     if changed.is_err() {
@@ -356,7 +352,7 @@ impl SandboxHandle {
     }
 
     /// Waits until `condition` holds or `timeout` passes; true if it held.
-    /// Re-checked on every state change, not on a timer.
+    /// Re-checked on every state change and when a decision expires, not on a timer.
     pub async fn wait_for<F: Fn(&SandboxHandle) -> bool>(&self, timeout: Duration, condition: F) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
@@ -364,13 +360,22 @@ impl SandboxHandle {
             if condition(self) {
                 return true;
             }
+            // An expiry changes a decision's status with no event, so wake for
+            // the next one too.
+            let now = Utc::now();
+            let next_expiry = self.shared.lock().next_expiry(now);
+            let until = deadline.min(instant_at(next_expiry, now));
             tokio::select! {
                 changed = rx.changed() => {
                     if changed.is_err() {
                         return condition(self);
                     }
                 }
-                () = tokio::time::sleep_until(deadline) => return condition(self),
+                () = tokio::time::sleep_until(until) => {
+                    if Instant::now() >= deadline {
+                        return condition(self);
+                    }
+                }
             }
         }
     }
@@ -391,6 +396,15 @@ fn answer_decision(
         callbacks::spawn(shared.clone(), job);
     }
     Ok(response)
+}
+
+/// The monotonic instant of wall time `at` (seen at `now`), a millisecond
+/// late so a waiter never wakes just before the moment it waits for; far in
+/// the future for `None`.
+fn instant_at(at: Option<DateTime<Utc>>, now: DateTime<Utc>) -> Instant {
+    const FAR: Duration = Duration::from_secs(24 * 3600);
+    let remaining = at.map_or(FAR, |at| (at - now).to_std().unwrap_or(Duration::ZERO));
+    Instant::now() + remaining.min(FAR) + Duration::from_millis(1)
 }
 
 /// Pushary's timestamp format: ISO 8601, UTC, milliseconds, `Z`.

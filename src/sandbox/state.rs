@@ -192,6 +192,11 @@ impl State {
         self.decisions.get(id)
     }
 
+    /// When the next pending decision expires, if any is pending.
+    pub(super) fn next_expiry(&self, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        self.decisions.values().filter(|d| d.status(now) == Status::Pending).map(|d| d.expires_at).min()
+    }
+
     fn is_reachable(&self, external_id: &str, unreachable_prefix: &str) -> bool {
         self.enrolled.contains(external_id)
             || unreachable_prefix.is_empty()

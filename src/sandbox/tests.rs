@@ -218,6 +218,16 @@ async fn the_whole_protocol_over_http() {
     );
     assert_eq!(api.call(Method::GET, "/decisions/dec_nope", None).await.0, 404);
 
+    // Expiry needs no event: a long-poll and `wait_for` both see it.
+    let (_, short) = api.post("/decisions", json!({"question": "Quick?", "expiresInSeconds": 1})).await;
+    let short_id = short["decisionId"].as_str().expect("id").to_string();
+    let (status, expired) = api.call(Method::GET, &format!("/decisions/{short_id}?wait=10"), None).await;
+    assert_eq!((status, expired["status"].clone()), (200, json!("expired")));
+    let (_, short) = api.post("/decisions", json!({"question": "Quick again?", "expiresInSeconds": 1})).await;
+    let short_id = short["decisionId"].as_str().expect("id").to_string();
+    assert!(sandbox.wait_for(WAIT, |h| h.decision(&short_id).is_some_and(|d| d.status == "expired")).await);
+    assert_eq!(api.post(&format!("/decisions/{short_id}"), json!({"answer": "yes"})).await.0, 409);
+
     // The example effect target: signed, executes once per key.
     let key = crate::webhooks::decode_secret(effect_secret).expect("key");
     let deliver = |body: &'static str, key_header: &'static str, signed: bool| {

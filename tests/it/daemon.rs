@@ -217,6 +217,10 @@ timeout_secs = 3
         }
     }
 
+    pub fn db_path(&self) -> PathBuf {
+        self._dir.path().join("approvald.db")
+    }
+
     /// Runs `approvald` with the same config for a CLI command.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
         Command::new(env!("CARGO_BIN_EXE_approvald"))

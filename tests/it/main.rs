@@ -10,4 +10,5 @@ mod faults;
 mod harness;
 mod outcomes;
 mod reconciler;
+mod soak;
 mod vectors;
