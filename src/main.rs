@@ -279,10 +279,8 @@ async fn inbox(cmd: InboxCommand) -> anyhow::Result<()> {
     let ts = approvald::clock::rfc3339;
     match cmd {
         InboxCommand::List { store, state, limit } => {
-            if let Some(s) = &state {
-                if !matches!(s.as_str(), "new" | "processed" | "ignored" | "orphaned") {
-                    anyhow::bail!("--state: must be new, processed, ignored or orphaned");
-                }
+            if state.as_deref().is_some_and(|s| !matches!(s, "new" | "processed" | "ignored" | "orphaned")) {
+                anyhow::bail!("--state: must be new, processed, ignored or orphaned");
             }
             if !(1..=10_000).contains(&limit) {
                 anyhow::bail!("--limit: must be between 1 and 10000");

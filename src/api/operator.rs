@@ -67,13 +67,11 @@ pub(super) async fn inbox_list(
 ) -> Result<Json<Value>, ApiError> {
     let tenant = authorize(&state, &headers)?;
     let Query(q) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
-    if let Some(s) = &q.state {
-        if !matches!(s.as_str(), "new" | "processed" | "ignored" | "orphaned") {
-            return Err(ApiError::bad_request(
-                "invalid_query",
-                "state must be new, processed, ignored or orphaned",
-            ));
-        }
+    if q.state.as_deref().is_some_and(|s| !matches!(s, "new" | "processed" | "ignored" | "orphaned")) {
+        return Err(ApiError::bad_request(
+            "invalid_query",
+            "state must be new, processed, ignored or orphaned",
+        ));
     }
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {

@@ -153,8 +153,9 @@ pub fn parse(body: &Value, limits: Limits, now_ms: i64) -> Result<OperationSpec,
         (DecisionType::Select, None) => {
             return Err(err("options", "missing_field", "a select decision needs options"));
         }
-        (DecisionType::Select, Some(o)) if o.is_empty() || o.len() > MAX_OPTIONS => {
-            return Err(err("options", "out_of_bounds", format!("give 1 to {MAX_OPTIONS} options")));
+        // The SDK documents at least two options for a select.
+        (DecisionType::Select, Some(o)) if o.len() < 2 || o.len() > MAX_OPTIONS => {
+            return Err(err("options", "out_of_bounds", format!("give 2 to {MAX_OPTIONS} options")));
         }
         (DecisionType::Confirm | DecisionType::Input, Some(_)) => {
             return Err(err("options", "invalid_value", "options are only for select decisions"));
@@ -414,6 +415,8 @@ mod tests {
         assert_eq!(field_of(with("options", json!(["a"]))), "options");
         let mut sel = with("type", json!("select"));
         sel["options"] = json!([]);
+        assert_eq!(field_of(sel.clone()), "options");
+        sel["options"] = json!(["only"]);
         assert_eq!(field_of(sel.clone()), "options");
         sel["options"] = json!(["a", "a"]);
         assert_eq!(field_of(sel.clone()), "options");

@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::middleware::{self, Next};
-use axum::response::{Json, Response};
+use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post};
 use axum::{Router, http::StatusCode};
 use chrono::Utc;
@@ -50,7 +50,15 @@ async fn require_api_key(State(shared): State<Arc<Shared>>, request: Request, ne
         Some(key) if Sha256::digest(key) != Sha256::digest(&shared.api_key) => {
             unauthorized("invalid API key")
         }
-        Some(_) => next.run(request).await,
+        Some(_) => match shared.take_api_failure() {
+            Some(status) => ApiError::new(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE),
+                "injected failure",
+                "The sandbox was told to fail this call.",
+            )
+            .into_response(),
+            None => next.run(request).await,
+        },
     }
 }
 
@@ -151,7 +159,15 @@ async fn enroll(State(shared): State<Arc<Shared>>, JsonBody(body): JsonBody) -> 
 
 async fn consume(State(shared): State<Arc<Shared>>, JsonBody(body): JsonBody) -> ApiResult {
     let body = object(body)?;
-    shared.mutate(|s| s.consume(&body, shared.permit_ttl, Utc::now())).map(Json)
+    let result = shared.mutate(|s| s.consume(&body, shared.permit_ttl, Utc::now()));
+    if let Some(delay) = shared.take_consume_delay() {
+        // Consumed (or refused) already; only the answer is late.
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = shared.shutdown.cancelled() => {}
+        }
+    }
+    result.map(Json)
 }
 
 async fn receipt(

@@ -29,6 +29,37 @@ pub(super) fn router() -> Router<Arc<Shared>> {
         .route("/effect/deliveries", get(effect_deliveries))
         .route("/effect/executions/{key}", get(effect_executions))
         .route("/effect/response", post(effect_response))
+        .route("/faults/api", post(api_failure))
+        .route("/faults/consume-delay", post(consume_delay))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApiFailure {
+    status: u16,
+    count: usize,
+}
+
+async fn api_failure(State(shared): State<Arc<Shared>>, JsonBody(body): JsonBody) -> ApiResult {
+    let f: ApiFailure = parse(body)?;
+    if !(400..=599).contains(&f.status) {
+        return Err(ApiError::bad_request("status must be an HTTP error status (400-599)"));
+    }
+    super::SandboxHandle::from_shared(shared).fail_next_api_calls(f.status, f.count);
+    Ok(Json(json!({"status": f.status, "count": f.count})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ConsumeDelay {
+    delay_ms: u64,
+}
+
+async fn consume_delay(State(shared): State<Arc<Shared>>, JsonBody(body): JsonBody) -> ApiResult {
+    let d: ConsumeDelay = parse(body)?;
+    super::SandboxHandle::from_shared(shared)
+        .delay_next_consume_response(std::time::Duration::from_millis(d.delay_ms));
+    Ok(Json(json!({"delayMs": d.delay_ms})))
 }
 
 /// Parses a control body, mapping shape errors to a 400 that names the field.

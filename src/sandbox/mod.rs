@@ -150,9 +150,35 @@ pub(crate) struct Shared {
     changed: watch::Sender<u64>,
     http: reqwest::Client,
     shutdown: CancellationToken,
+    /// Injected faults of the Pushary API itself (not of decisions).
+    faults: Mutex<ApiFaults>,
+}
+
+/// Faults a test injects into the Pushary API to exercise retries.
+#[derive(Debug, Default)]
+pub(crate) struct ApiFaults {
+    /// The next `count` authenticated API calls answer `status` and change nothing.
+    fail_status: u16,
+    fail_count: usize,
+    /// The next consume is carried out, but its response is held back this
+    /// long: a lost response, from the client's point of view.
+    consume_delay: Option<Duration>,
 }
 
 impl Shared {
+    /// Takes one injected API failure, if any is left.
+    pub(crate) fn take_api_failure(&self) -> Option<u16> {
+        let mut f = self.faults.lock().unwrap_or_else(|p| p.into_inner());
+        (f.fail_count > 0).then(|| {
+            f.fail_count -= 1;
+            f.fail_status
+        })
+    }
+
+    pub(crate) fn take_consume_delay(&self) -> Option<Duration> {
+        self.faults.lock().unwrap_or_else(|p| p.into_inner()).consume_delay.take()
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves plain data behind; serving it
         // is better than taking the whole sandbox down with a poison error.
@@ -253,6 +279,7 @@ pub async fn start(
         changed: watch::channel(0).0,
         http,
         shutdown: shutdown.clone(),
+        faults: Mutex::new(ApiFaults::default()),
     });
 
     let app = Router::new()
@@ -275,6 +302,10 @@ pub async fn start(
 }
 
 impl SandboxHandle {
+    pub(crate) fn from_shared(shared: Arc<Shared>) -> Self {
+        Self { addr: shared.addr, shared }
+    }
+
     /// The Pushary base URL to configure a client with.
     pub fn base_url(&self) -> String {
         format!("http://{}/api/v1/server", self.addr)
@@ -344,6 +375,20 @@ impl SandboxHandle {
     /// at-most-once is broken somewhere).
     pub fn effect_executions(&self, idempotency_key: &str) -> usize {
         self.shared.lock().effect.executions(idempotency_key)
+    }
+
+    /// The next `count` Pushary API calls (any route, after the key check)
+    /// answer `status` without doing anything: an outage or overload.
+    pub fn fail_next_api_calls(&self, status: u16, count: usize) {
+        let mut f = self.shared.faults.lock().unwrap_or_else(|p| p.into_inner());
+        f.fail_status = status;
+        f.fail_count = count;
+    }
+
+    /// The next consume happens, but its response is held back for `delay`,
+    /// so a client with a shorter timeout sees a lost response.
+    pub fn delay_next_consume_response(&self, delay: Duration) {
+        self.shared.faults.lock().unwrap_or_else(|p| p.into_inner()).consume_delay = Some(delay);
     }
 
     /// The next `count` deliveries are answered with `status` and not executed.

@@ -131,10 +131,9 @@ timeout_secs = 3
         self.child = Some(child);
         let start = Instant::now();
         loop {
-            if let Ok(r) = self.http.get(format!("{}/readyz", self.base)).send().await {
-                if r.status().is_success() {
-                    return;
-                }
+            let ready = self.http.get(format!("{}/readyz", self.base)).send().await;
+            if ready.is_ok_and(|r| r.status().is_success()) {
+                return;
             }
             if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
                 panic!("approvald exited at start ({status}):\n{}", self.stderr());

@@ -160,3 +160,76 @@ async fn a_rejection_whose_target_fails_is_retried_until_it_is_delivered() {
     assert_eq!(op["state"], "denied");
     assert_eq!(app.deliveries_for(&id).len(), 4);
 }
+
+#[tokio::test]
+async fn a_lost_consume_response_then_already_consumed_is_uncertain_and_never_runs() {
+    let app = TestApp::spawn_with(Options { pushary_timeout_secs: Some(1), ..Options::default() }).await;
+    let id = app.enqueue_ok(&confirm("lost-consume")).await;
+    let decision = app.decision_of(&id).await;
+    // Pushary consumes, but the answer arrives after approvald stopped waiting.
+    app.sandbox.delay_next_consume_response(Duration::from_millis(2500));
+    app.answer(&decision, "yes").await;
+    let op = app.wait_state(&id, &["uncertain", "succeeded", "refused"]).await;
+    assert_eq!(op["state"], "uncertain", "{op:#}");
+    assert_eq!(app.sandbox.consume_calls(&decision), 2, "the retry met already_consumed");
+    assert!(app.sandbox.decision(&decision).expect("d").permit.is_some(), "Pushary did spend the permit");
+    assert!(app.deliveries_for(&id).is_empty(), "never run");
+    assert!(op["permitId"].is_null());
+}
+
+#[tokio::test]
+async fn pushary_5xx_is_retried_by_the_opener_with_the_identical_payload() {
+    let app = TestApp::spawn().await;
+    app.sandbox.fail_next_api_calls(503, 3);
+    let id = app.enqueue_ok(&confirm("opener-5xx")).await;
+    let decision = app.decision_of(&id).await;
+    assert_eq!(app.sandbox.decisions().len(), 1, "one decision, however many attempts");
+    assert_eq!(
+        app.sandbox.decision(&decision).expect("d").idempotency_key.as_deref().map(str::len),
+        Some(40)
+    );
+    let op = app.get(&id).await;
+    assert!(op["transitions"].as_array().expect("h").iter().any(|t| t["to"] == "pending"));
+}
+
+#[tokio::test]
+async fn pushary_5xx_during_a_poll_is_retried_until_the_answer_is_found() {
+    let app = TestApp::spawn_with(Options { poll_after_secs: Some(0), ..Options::default() }).await;
+    let id = app.enqueue_ok(&confirm("poll-5xx")).await;
+    let decision = app.decision_of(&id).await;
+    app.sandbox.answer(&decision, "yes", approvald::sandbox::CallbackMode::Drop).await.expect("answer");
+    app.sandbox.fail_next_api_calls(503, 2);
+    let start = Instant::now();
+    loop {
+        let sweep = app.engine.reconcile_once().await.expect("sweep");
+        if sweep.answers_found > 0 {
+            break;
+        }
+        assert!(start.elapsed() < WAIT, "the answer was never found");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let op = app.wait_op(&id, "done", |o| o["receipt"] == "recorded").await;
+    assert_eq!(op["state"], "succeeded");
+}
+
+#[tokio::test]
+async fn an_unreachable_pushary_is_never_permission_and_the_deadline_still_ends_it() {
+    // A port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let app = TestApp::spawn_with(Options {
+        pushary_base_url: Some(format!("http://127.0.0.1:{port}/api/v1/server")),
+        pushary_timeout_secs: Some(1),
+        ..Options::default()
+    })
+    .await;
+    let mut body = confirm("unreachable-pushary");
+    body["expiresInSeconds"] = json!(2);
+    let id = app.enqueue_ok(&body).await;
+    let retrying = app.wait_op(&id, "retried", |o| o["lastError"].as_str().is_some()).await;
+    assert_eq!(retrying["state"], "enqueued");
+    assert!(retrying["lastError"].as_str().unwrap_or("").contains("unreachable"), "{retrying:#}");
+    let op = app.wait_state(&id, &["expired"]).await;
+    assert!(op["permitId"].is_null());
+    assert_eq!(app.deliveries_for(&id).len(), 1, "the expiry is delivered as a rejection");
+    assert_eq!(app.deliveries_for(&id)[0]["status"], "expired");
+}

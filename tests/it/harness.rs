@@ -24,6 +24,9 @@ pub struct Options {
     pub manual: bool,
     pub extra_toml: String,
     pub store_busy_ms: Option<u64>,
+    pub pushary_timeout_secs: Option<u64>,
+    /// Point approvald at this Pushary instead of the sandbox.
+    pub pushary_base_url: Option<String>,
     pub orphan_after_secs: Option<u64>,
 }
 
@@ -78,7 +81,7 @@ impl TestApp {
             api_key = "{key}"
             webhook_secrets = ["{whsec}"]
             require_reachable = {rr}
-            timeout_secs = 5
+            timeout_secs = {ptimeout}
             [worker]
             retry_initial_ms = 20
             retry_max_secs = 1
@@ -93,7 +96,8 @@ impl TestApp {
             {extra}
             "#,
             db = dir.path().join("approvald.db").display(),
-            base = sandbox.base_url(),
+            base = opts.pushary_base_url.clone().unwrap_or_else(|| sandbox.base_url()),
+            ptimeout = opts.pushary_timeout_secs.unwrap_or(5),
             key = sandbox.api_key(),
             whsec = sandbox.webhook_secret(),
             rr = opts.require_reachable,

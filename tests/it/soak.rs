@@ -171,15 +171,23 @@ async fn soak_thousands_of_operations_with_duplicates_drops_and_kills() {
             ops[i].decision = Some(decision.clone());
             let valid_at_sandbox = !(ops[i].answer == "YES" || ops[i].answer == "d");
             match ops[i].mode {
-                Mode::Send => d.sandbox.answer(&decision, &ops[i].answer, CallbackMode::Send).await.expect("answer"),
-                Mode::Drop => d.sandbox.answer(&decision, &ops[i].answer, CallbackMode::Drop).await.expect("answer"),
+                Mode::Send => {
+                    d.sandbox.answer(&decision, &ops[i].answer, CallbackMode::Send).await.expect("answer")
+                }
+                Mode::Drop => {
+                    d.sandbox.answer(&decision, &ops[i].answer, CallbackMode::Drop).await.expect("answer")
+                }
                 Mode::Direct => {
                     if valid_at_sandbox {
-                        d.sandbox.answer(&decision, &ops[i].answer, CallbackMode::Drop).await.expect("answer");
+                        d.sandbox
+                            .answer(&decision, &ops[i].answer, CallbackMode::Drop)
+                            .await
+                            .expect("answer");
                     }
-                    let body = serde_json::to_vec(&json!({"correlationId": decision, "answer": ops[i].answer,
+                    let body =
+                        serde_json::to_vec(&json!({"correlationId": decision, "answer": ops[i].answer,
                         "value": ops[i].answer, "answeredAt": "2026-11-29T10:00:00.000Z"}))
-                    .expect("json");
+                        .expect("json");
                     let sig = approvald::pushary::signature::sign(&d.sandbox.webhook_secret(), &body);
                     let copies = rng.random_range(1..=3);
                     let mut set = tokio::task::JoinSet::new();
@@ -188,8 +196,13 @@ async fn soak_thousands_of_operations_with_duplicates_drops_and_kills() {
                         let base = d.base.clone();
                         set.spawn(async move {
                             retrying("direct callback", || async {
-                                let r = dd.post(format!("{base}/v1/callbacks/pushary"))
-                                    .header("X-Pushary-Signature", &s).body(b.clone()).send().await.ok()?;
+                                let r = dd
+                                    .post(format!("{base}/v1/callbacks/pushary"))
+                                    .header("X-Pushary-Signature", &s)
+                                    .body(b.clone())
+                                    .send()
+                                    .await
+                                    .ok()?;
                                 r.status().is_success().then_some(())
                             })
                             .await
@@ -219,7 +232,9 @@ async fn soak_thousands_of_operations_with_duplicates_drops_and_kills() {
         let states = store.count_by_state().await.expect("counts");
         let busy: i64 = states
             .iter()
-            .filter(|(s, _)| matches!(s.as_str(), "enqueued" | "pending" | "answered" | "permitted" | "delivering"))
+            .filter(|(s, _)| {
+                matches!(s.as_str(), "enqueued" | "pending" | "answered" | "permitted" | "delivering")
+            })
             .map(|(_, n)| n)
             .sum();
         let due = store.next_due_at().await.expect("due");
@@ -235,9 +250,10 @@ async fn soak_thousands_of_operations_with_duplicates_drops_and_kills() {
     let before = store.count_by_state().await.expect("counts");
     for p in ops.choose_multiple(&mut rng, n / 10) {
         let Some(decision) = &p.decision else { continue };
-        let body = serde_json::to_vec(&json!({"correlationId": decision, "answer": p.answer, "value": p.answer,
+        let body =
+            serde_json::to_vec(&json!({"correlationId": decision, "answer": p.answer, "value": p.answer,
             "answeredAt": "2026-11-29T10:00:00.000Z"}))
-        .expect("json");
+            .expect("json");
         let sig = approvald::pushary::signature::sign(&d.sandbox.webhook_secret(), &body);
         let status = retrying("late callback", || post_callback(&d, &body, &sig)).await;
         assert_eq!(status, "duplicate");
