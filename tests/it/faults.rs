@@ -233,3 +233,16 @@ async fn an_unreachable_pushary_is_never_permission_and_the_deadline_still_ends_
     assert_eq!(app.deliveries_for(&id).len(), 1, "the expiry is delivered as a rejection");
     assert_eq!(app.deliveries_for(&id)[0]["status"], "expired");
 }
+
+#[tokio::test]
+async fn a_thread_lease_is_exclusive_until_it_expires_and_then_lost_by_its_old_owner() {
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let s = app.store();
+    let now = approvald::clock::now_ms();
+    assert!(s.acquire_lease("default", "t", "a", now, now + 1000).await.expect("store"));
+    assert!(!s.acquire_lease("default", "t", "b", now + 999, now + 2000).await.expect("store"));
+    assert!(!s.renew_lease("default", "t", "b", now + 2000).await.expect("store"));
+    assert!(s.acquire_lease("default", "other-thread", "b", now, now + 1000).await.expect("store"));
+    assert!(s.acquire_lease("default", "t", "b", now + 1000, now + 2000).await.expect("store"), "expired: taken");
+    assert!(!s.renew_lease("default", "t", "a", now + 3000).await.expect("store"), "the old owner lost it");
+}
