@@ -36,6 +36,9 @@ CREATE TABLE operations (
     deadline         INTEGER NOT NULL,
     -- When the reconciler should next poll Pushary for this pending decision.
     poll_at          INTEGER,
+    -- Arrival order of the answer that resumed this operation (its inbox
+    -- id): answers of one thread resume strictly in this order.
+    resume_seq       INTEGER,
     opened_at        INTEGER,
     created_at       INTEGER NOT NULL,
     updated_at       INTEGER NOT NULL,
@@ -48,6 +51,7 @@ CREATE INDEX operations_due ON operations (due_at) WHERE due_at IS NOT NULL;
 CREATE INDEX operations_pending_deadline ON operations (deadline) WHERE state = 'pending';
 CREATE INDEX operations_poll ON operations (poll_at) WHERE poll_at IS NOT NULL;
 CREATE INDEX operations_thread ON operations (tenant, thread_id, created_at);
+CREATE INDEX operations_resume ON operations (tenant, thread_id, resume_seq) WHERE resume_seq IS NOT NULL;
 CREATE INDEX operations_state ON operations (state, created_at);
 
 CREATE TABLE transitions (

@@ -131,6 +131,7 @@ fn new_operation(state: &AppState, tenant: &str, spec: OperationSpec, now: i64) 
         due_at: Some(now),
         deadline,
         poll_at: None,
+        resume_seq: None,
         opened_at: None,
         created_at: now,
         updated_at: now,

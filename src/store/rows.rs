@@ -40,6 +40,7 @@ pub struct Operation {
     pub due_at: Option<i64>,
     pub deadline: i64,
     pub poll_at: Option<i64>,
+    pub resume_seq: Option<i64>,
     pub opened_at: Option<i64>,
     pub created_at: i64,
     pub updated_at: i64,
@@ -47,6 +48,12 @@ pub struct Operation {
 }
 
 impl Operation {
+    /// Still has resume work that later answers of its thread must wait for.
+    pub fn unfinished(&self) -> bool {
+        matches!(self.state, State::Answered | State::Permitted | State::Delivering)
+            || self.delivery.as_deref() == Some("pending")
+    }
+
     pub fn from_row(row: &SqliteRow) -> Result<Self, StoreError> {
         let corrupt = |what: &str, e: &dyn std::fmt::Display| StoreError::Corrupt(format!("{what}: {e}"));
         let spec: String = row.try_get("spec")?;
@@ -82,6 +89,7 @@ impl Operation {
             due_at: row.try_get("due_at")?,
             deadline: row.try_get("deadline")?,
             poll_at: row.try_get("poll_at")?,
+            resume_seq: row.try_get("resume_seq")?,
             opened_at: row.try_get("opened_at")?,
             created_at: row.try_get("created_at")?,
             updated_at: row.try_get("updated_at")?,

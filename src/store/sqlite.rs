@@ -20,7 +20,7 @@ macro_rules! op_cols {
         "id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, decision_type, spec, \
          decision_request, state, decision_id, answer, permit_id, delivery, outcome_status, idempotency_key, \
          result, receipt, receipt_outcome, consume_inflight, consume_attempts, delivery_inflight, attempts, \
-         last_error, due_at, deadline, poll_at, opened_at, created_at, updated_at, version"
+         last_error, due_at, deadline, poll_at, resume_seq, opened_at, created_at, updated_at, version"
     };
 }
 
@@ -213,7 +213,7 @@ impl Store {
             "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
              outcome_status = $6, result = $7, receipt = $8, receipt_outcome = $9, consume_inflight = $10, \
              consume_attempts = $11, delivery_inflight = $12, attempts = $13, last_error = $14, due_at = $15, \
-             poll_at = $16, opened_at = $17, updated_at = $18, version = version + 1 \
+             poll_at = $16, opened_at = $17, updated_at = $18, resume_seq = $21, version = version + 1 \
              WHERE id = $19 AND version = $20",
         )
         .bind(op.state.as_str())
@@ -236,11 +236,30 @@ impl Store {
         .bind(op.updated_at)
         .bind(&op.id)
         .bind(op.version)
+        .bind(op.resume_seq)
         .execute(&mut *tx)
         .await?;
         if done.rows_affected() == 0 {
             tx.rollback().await?;
             return Ok(false);
+        }
+        if op.resume_seq.is_some() && !op.unfinished() {
+            // The next answer of the thread, held back behind this one, may go.
+            sqlx::query(
+                "UPDATE operations SET due_at = $3 WHERE id = ( \
+                   SELECT c.id FROM operations c WHERE c.tenant = $1 AND c.thread_id = $2 \
+                     AND c.resume_seq IS NOT NULL AND c.due_at IS NULL \
+                     AND (c.state IN ('answered', 'permitted', 'delivering') OR c.delivery = 'pending') \
+                   ORDER BY c.resume_seq LIMIT 1) \
+                 AND NOT EXISTS (SELECT 1 FROM operations e WHERE e.tenant = $1 AND e.thread_id = $2 \
+                   AND e.resume_seq IS NOT NULL AND e.due_at IS NOT NULL \
+                   AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending'))",
+            )
+            .bind(&op.tenant)
+            .bind(&op.thread_id)
+            .bind(op.updated_at)
+            .execute(&mut *tx)
+            .await?;
         }
         for t in transitions {
             insert_transition(&mut tx, &op.id, t).await?;
@@ -260,6 +279,26 @@ impl Store {
         tx.commit().await?;
         op.version += 1;
         Ok(true)
+    }
+
+    /// Whether an earlier answer of the thread still has resume work.
+    pub async fn earlier_answer_unfinished(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        seq: i64,
+    ) -> Result<bool, StoreError> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM operations WHERE tenant = $1 AND thread_id = $2 \
+             AND resume_seq IS NOT NULL AND resume_seq < $3 \
+             AND (state IN ('answered', 'permitted', 'delivering') OR delivery = 'pending')",
+        )
+        .bind(tenant)
+        .bind(thread_id)
+        .bind(seq)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(n > 0)
     }
 
     pub async fn record_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {

@@ -74,6 +74,12 @@ impl Engine {
             transition(&mut op, State::Answered, format!("answer received via {}", entry.source), ACTOR)
         };
         op.poll_at = None;
+        // Answers of a thread resume in arrival order: this one waits while
+        // an earlier one still has work (it is released when that finishes).
+        op.resume_seq = Some(entry.id);
+        if self.store.earlier_answer_unfinished(&op.tenant, &op.thread_id, entry.id).await? {
+            op.due_at = None;
+        }
         if self.store.save(&mut op, &[t], Some((entry.id, "processed", Some(note)))).await? {
             tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %entry.correlation_id, state = %op.state, "answer applied");
         }

@@ -228,7 +228,8 @@ async fn an_unreachable_pushary_is_never_permission_and_the_deadline_still_ends_
     let retrying = app.wait_op(&id, "retried", |o| o["lastError"].as_str().is_some()).await;
     assert_eq!(retrying["state"], "enqueued");
     assert!(retrying["lastError"].as_str().unwrap_or("").contains("unreachable"), "{retrying:#}");
-    let op = app.wait_state(&id, &["expired"]).await;
+    app.wait_state(&id, &["expired"]).await;
+    let op = app.wait_op(&id, "expiry delivered", |o| o["delivery"] == "done").await;
     assert!(op["permitId"].is_null());
     assert_eq!(app.deliveries_for(&id).len(), 1, "the expiry is delivered as a rejection");
     assert_eq!(app.deliveries_for(&id)[0]["status"], "expired");
@@ -243,6 +244,9 @@ async fn a_thread_lease_is_exclusive_until_it_expires_and_then_lost_by_its_old_o
     assert!(!s.acquire_lease("default", "t", "b", now + 999, now + 2000).await.expect("store"));
     assert!(!s.renew_lease("default", "t", "b", now + 2000).await.expect("store"));
     assert!(s.acquire_lease("default", "other-thread", "b", now, now + 1000).await.expect("store"));
-    assert!(s.acquire_lease("default", "t", "b", now + 1000, now + 2000).await.expect("store"), "expired: taken");
+    assert!(
+        s.acquire_lease("default", "t", "b", now + 1000, now + 2000).await.expect("store"),
+        "expired: taken"
+    );
     assert!(!s.renew_lease("default", "t", "a", now + 3000).await.expect("store"), "the old owner lost it");
 }

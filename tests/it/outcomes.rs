@@ -3,7 +3,7 @@
 use approvald::sandbox::Refusal;
 use serde_json::json;
 
-use crate::harness::{Options, TestApp, confirm};
+use crate::harness::{Options, TestApp, WAIT, confirm};
 
 #[tokio::test]
 async fn confirm_yes_consumes_once_delivers_the_permit_and_records_the_receipt() {
@@ -228,4 +228,50 @@ async fn an_effect_that_refuses_with_4xx_ends_failed_with_a_failed_receipt() {
     assert_eq!(op["state"], "failed");
     let permit = op["permitId"].as_str().expect("permit");
     assert_eq!(app.sandbox.receipts(permit).expect("receipt").outcome, "failed");
+}
+
+/// Guarantee 4: answers of one thread resume in arrival order. The first
+/// answer's effect fails and is retried; the second answer waits for it.
+#[tokio::test]
+async fn answers_of_one_thread_resume_in_arrival_order_even_while_the_first_is_retried() {
+    let app = TestApp::spawn().await;
+    let mut a = confirm("order-a");
+    let mut b = confirm("order-b");
+    let mut c = confirm("order-c");
+    for body in [&mut a, &mut b, &mut c] {
+        body["threadId"] = json!("thread-ordered");
+    }
+    let (ia, ib, ic) = (app.enqueue_ok(&a).await, app.enqueue_ok(&b).await, app.enqueue_ok(&c).await);
+    let (da, db, dc) = (app.decision_of(&ia).await, app.decision_of(&ib).await, app.decision_of(&ic).await);
+    app.sandbox.set_effect_response(503, 3);
+    app.answer(&da, "yes").await;
+    app.wait_deliveries(&ia, 1).await;
+    // Callbacks are sent concurrently; wait for b's so the arrival order is a, b, c.
+    app.answer(&db, "no").await;
+    assert!(
+        app.sandbox
+            .wait_for(WAIT, |s| s.decision(&db).is_some_and(|d| d.callback.delivered_at.is_some()))
+            .await
+    );
+    app.answer(&dc, "yes").await;
+    for id in [&ia, &ib, &ic] {
+        app.wait_op(id, "delivered", |o| o["delivery"] == "done").await;
+    }
+    let order: Vec<String> = app
+        .sandbox
+        .effect_deliveries()
+        .iter()
+        .filter(|e| e.status == 200)
+        .map(|e| e.body["operationId"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(order, [ia.clone(), ib.clone(), ic.clone()], "completed in arrival order");
+    let all: Vec<String> = app
+        .sandbox
+        .effect_deliveries()
+        .iter()
+        .map(|e| e.body["operationId"].as_str().unwrap_or("").to_string())
+        .collect();
+    let last_a = all.iter().rposition(|x| *x == ia).expect("a delivered");
+    let first_b = all.iter().position(|x| *x == ib).expect("b delivered");
+    assert!(last_a < first_b, "b was not attempted before a finished: {all:?}");
 }
