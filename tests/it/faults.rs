@@ -175,6 +175,49 @@ async fn a_lost_consume_response_then_already_consumed_is_uncertain_and_never_ru
     assert!(app.sandbox.decision(&decision).expect("d").permit.is_some(), "Pushary did spend the permit");
     assert!(app.deliveries_for(&id).is_empty(), "never run");
     assert!(op["permitId"].is_null());
+
+    // The operator resolves it through the API, saying who and why.
+    let resolve = |body: serde_json::Value| {
+        app.http
+            .post(format!("{}/v1/operations/{id}/resolve", app.base))
+            .bearer_auth(crate::harness::TOKEN)
+            .json(&body)
+            .send()
+    };
+    let r = resolve(json!({"outcome": "failed", "by": "bob"})).await.expect("send");
+    assert_eq!(r.status().as_u16(), 422);
+    assert_eq!(r.json::<serde_json::Value>().await.expect("json")["field"], "note");
+    let r = resolve(json!({"outcome": "maybe", "note": "n", "by": "bob"})).await.expect("send");
+    assert_eq!(r.status().as_u16(), 422);
+    assert_eq!(r.json::<serde_json::Value>().await.expect("json")["field"], "outcome");
+    assert_eq!(app.get(&id).await["state"], "uncertain", "bad requests changed nothing");
+    let r = resolve(json!({"outcome": "failed", "note": "no refund in the ledger", "by": "bob"}))
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let op = app.get(&id).await;
+    assert_eq!(op["state"], "failed");
+    let last = op["transitions"].as_array().expect("h").last().expect("last").clone();
+    assert_eq!(last["actor"], "operator:bob");
+    assert!(last["cause"].as_str().unwrap_or("").contains("no refund in the ledger"));
+    let again = resolve(json!({"outcome": "succeeded", "note": "oops", "by": "bob"})).await.expect("send");
+    assert_eq!(again.status().as_u16(), 409);
+    assert_eq!(again.json::<serde_json::Value>().await.expect("json")["code"], "not_uncertain");
+
+    // The inbox entry, with the exact body received, is there to inspect.
+    let entry = app.store().inbox_by_correlation("default", &decision).await.expect("store").expect("entry");
+    let shown: serde_json::Value = app
+        .http
+        .get(format!("{}/v1/inbox/{}", app.base, entry.id))
+        .bearer_auth(crate::harness::TOKEN)
+        .send()
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(shown["operationId"], id);
+    assert!(shown["body"].as_str().unwrap_or("").contains(&decision));
 }
 
 #[tokio::test]
