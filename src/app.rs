@@ -17,22 +17,31 @@ use crate::pushary::PusharyClient;
 use crate::store::Store;
 use crate::worker::{EffectTarget, Engine, EngineSettings};
 
+/// What one process does; replicas can split the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Role {
+    /// API, receiver, workers and reconciler.
+    All,
+    /// The operations API (enqueue, inspect, cancel, resolve, inbox).
+    Api,
+    /// The Pushary callback receiver only: verify, store, acknowledge.
+    Receiver,
+    /// Resume workers and the reconciler; serves only /healthz and /readyz.
+    Worker,
+}
+
 pub struct Application {
     listener: TcpListener,
     state: AppState,
     engine: Arc<Engine>,
+    role: Role,
 }
 
 impl Application {
     /// Connects and migrates the store and wires the engine. Nothing runs
     /// until `run_until`.
     pub async fn build(config: Config, listener: TcpListener) -> anyhow::Result<Self> {
-        let store = Store::connect(&config.store).await.context("opening the store")?;
-        store.migrate().await.context("migrating the store")?;
-        let stale = store.release_all_leases().await?;
-        if stale > 0 {
-            tracing::info!(leases = stale, "released thread leases left by a previous process");
-        }
+        let store = open_store(&config).await?;
         Self::with_store(config, listener, store, EngineSettings::from_config)
     }
 
@@ -42,9 +51,7 @@ impl Application {
         listener: TcpListener,
         adjust: impl FnOnce(&mut EngineSettings),
     ) -> anyhow::Result<Self> {
-        let store = Store::connect(&config.store).await.context("opening the store")?;
-        store.migrate().await.context("migrating the store")?;
-        store.release_all_leases().await?;
+        let store = open_store(&config).await?;
         Self::with_store(config, listener, store, |c| {
             let mut s = EngineSettings::from_config(c);
             adjust(&mut s);
@@ -90,7 +97,13 @@ impl Application {
             config: Arc::new(config),
             engine: Arc::clone(&engine),
         };
-        Ok(Self { listener, state, engine })
+        Ok(Self { listener, state, engine, role: Role::All })
+    }
+
+    /// Restricts this process to one role.
+    pub fn with_role(mut self, role: Role) -> Self {
+        self.role = role;
+        self
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -104,9 +117,13 @@ impl Application {
     /// Serves the API and receiver and runs the workers and reconciler
     /// until `shutdown` is cancelled, then drains and closes the store.
     pub async fn run_until(self, shutdown: CancellationToken) -> anyhow::Result<()> {
-        let workers = self.engine.spawn(shutdown.clone());
-        let router = api::router(self.state);
-        tracing::info!(addr = %self.listener.local_addr()?, "approvald listening");
+        let workers = if matches!(self.role, Role::All | Role::Worker) {
+            self.engine.spawn(shutdown.clone())
+        } else {
+            Vec::new()
+        };
+        let router = api::router(self.state, self.role);
+        tracing::info!(addr = %self.listener.local_addr()?, role = ?self.role, "approvald listening");
         axum::serve(self.listener, router).with_graceful_shutdown(shutdown.clone().cancelled_owned()).await?;
         shutdown.cancel();
         for w in workers {
@@ -116,6 +133,21 @@ impl Application {
         tracing::info!("approvald stopped");
         Ok(())
     }
+}
+
+async fn open_store(config: &Config) -> anyhow::Result<Store> {
+    let store = Store::connect(&config.store).await.context("opening the store")?;
+    store.migrate().await.context("migrating the store")?;
+    // SQLite serves one node: leases found at start belong to a process
+    // that died. On PostgreSQL other replicas hold live leases; stale ones
+    // simply expire.
+    if !store.is_postgres() {
+        let stale = store.release_all_leases().await?;
+        if stale > 0 {
+            tracing::info!(leases = stale, "released thread leases left by a previous process");
+        }
+    }
+    Ok(store)
 }
 
 /// A token cancelled by SIGINT or SIGTERM.

@@ -24,8 +24,15 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the API, the callback receiver, the resume workers and the reconciler.
-    Serve(ConfigArg),
+    /// Run the API, the callback receiver, the resume workers and the reconciler
+    /// (or one of them, with --role, to scale them apart).
+    Serve {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// What this process does: all, api, receiver or worker.
+        #[arg(long, value_enum, default_value = "all", env = "APPROVALD_ROLE")]
+        role: approvald::app::Role,
+    },
     /// Run approvald on a local SQLite file with the built-in Pushary sandbox
     /// and an example effect target: the whole loop on one machine.
     Dev {
@@ -138,11 +145,11 @@ async fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Serve(c) => {
+        Command::Serve { config: c, role } => {
             let config = Config::load(c.config.as_deref())?;
             init_logging(&config.log.format, &config.log.filter);
             let listener = tokio::net::TcpListener::bind(config.listen_addr()?).await?;
-            Application::build(config, listener).await?.run_until(shutdown_on_signal()).await
+            Application::build(config, listener).await?.with_role(role).run_until(shutdown_on_signal()).await
         }
         Command::Dev { port, sandbox_port, db } => {
             init_logging("pretty", "info");

@@ -17,6 +17,7 @@ use axum::response::IntoResponse;
 use axum::routing::{get, post};
 use serde_json::json;
 
+use crate::app::Role;
 use crate::config::Config;
 use crate::error::ApiError;
 use crate::secret::Secret;
@@ -33,14 +34,20 @@ pub struct AppState {
     pub webhook_secrets: Arc<Vec<Secret>>,
 }
 
-pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/v1/operations", post(operations::enqueue).get(operations::list))
-        .route("/v1/operations/{id}", get(operations::show).delete(operations::cancel))
-        .route("/v1/operations/{id}/resolve", post(operator::resolve))
-        .route("/v1/inbox", get(operator::inbox_list))
-        .route("/v1/inbox/{id}", get(operator::inbox_show))
-        .route("/v1/callbacks/pushary", post(callbacks::receive))
+pub fn router(state: AppState, role: Role) -> Router {
+    let mut router = Router::new();
+    if matches!(role, Role::All | Role::Api) {
+        router = router
+            .route("/v1/operations", post(operations::enqueue).get(operations::list))
+            .route("/v1/operations/{id}", get(operations::show).delete(operations::cancel))
+            .route("/v1/operations/{id}/resolve", post(operator::resolve))
+            .route("/v1/inbox", get(operator::inbox_list))
+            .route("/v1/inbox/{id}", get(operator::inbox_show));
+    }
+    if matches!(role, Role::All | Role::Receiver) {
+        router = router.route("/v1/callbacks/pushary", post(callbacks::receive));
+    }
+    router
         .route("/healthz", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/readyz", get(ready))
         .fallback(|| async { ApiError::NotFound { detail: "no such route".into() } })

@@ -5,11 +5,11 @@
 //! the same transaction as its transition rows (and the inbox row it
 //! consumes), so two workers can never both move one operation.
 
+mod db;
 mod rows;
-mod sqlite;
 
+pub use db::{Store, WORK_CHANNEL};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, Transition};
-pub use sqlite::Store;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -2,13 +2,22 @@
 
 use serde::Serialize;
 use serde_json::Value;
-use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
+use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::StoreError;
 use crate::domain::answer::DecisionType;
 use crate::domain::operation::OperationSpec;
 use crate::domain::state::State;
+
+/// Reads a column; the bounds say the engine can decode it.
+fn get<'r, R, T>(row: &'r R, column: &'r str) -> Result<T, StoreError>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    T: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(row.try_get(column)?)
+}
 
 #[derive(Debug, Clone)]
 pub struct Operation {
@@ -54,46 +63,52 @@ impl Operation {
             || self.delivery.as_deref() == Some("pending")
     }
 
-    pub fn from_row(row: &SqliteRow) -> Result<Self, StoreError> {
+    pub fn from_row<R>(row: &R) -> Result<Self, StoreError>
+    where
+        R: Row,
+        for<'a> &'a str: ColumnIndex<R>,
+        for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+        for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    {
         let corrupt = |what: &str, e: &dyn std::fmt::Display| StoreError::Corrupt(format!("{what}: {e}"));
-        let spec: String = row.try_get("spec")?;
-        let request: String = row.try_get("decision_request")?;
-        let state: String = row.try_get("state")?;
-        let kind: String = row.try_get("decision_type")?;
+        let spec: String = get(row, "spec")?;
+        let request: String = get(row, "decision_request")?;
+        let state: String = get(row, "state")?;
+        let kind: String = get(row, "decision_type")?;
         Ok(Operation {
-            id: row.try_get("id")?,
-            tenant: row.try_get("tenant")?,
-            operation_key: row.try_get("operation_key")?,
-            fingerprint: row.try_get("fingerprint")?,
-            thread_id: row.try_get("thread_id")?,
-            interrupt_id: row.try_get("interrupt_id")?,
-            effect: row.try_get("effect")?,
+            id: get(row, "id")?,
+            tenant: get(row, "tenant")?,
+            operation_key: get(row, "operation_key")?,
+            fingerprint: get(row, "fingerprint")?,
+            thread_id: get(row, "thread_id")?,
+            interrupt_id: get(row, "interrupt_id")?,
+            effect: get(row, "effect")?,
             decision_type: DecisionType::parse(&kind).ok_or_else(|| corrupt("decision_type", &kind))?,
             spec: serde_json::from_str(&spec).map_err(|e| corrupt("spec", &e))?,
             decision_request: serde_json::from_str(&request).map_err(|e| corrupt("decision_request", &e))?,
             state: state.parse().map_err(|e: String| corrupt("state", &e))?,
-            decision_id: row.try_get("decision_id")?,
-            answer: row.try_get("answer")?,
-            permit_id: row.try_get("permit_id")?,
-            delivery: row.try_get("delivery")?,
-            outcome_status: row.try_get("outcome_status")?,
-            idempotency_key: row.try_get("idempotency_key")?,
-            result: row.try_get("result")?,
-            receipt: row.try_get("receipt")?,
-            receipt_outcome: row.try_get("receipt_outcome")?,
-            consume_inflight: row.try_get::<i64, _>("consume_inflight")? != 0,
-            consume_attempts: row.try_get("consume_attempts")?,
-            delivery_inflight: row.try_get::<i64, _>("delivery_inflight")? != 0,
-            attempts: row.try_get("attempts")?,
-            last_error: row.try_get("last_error")?,
-            due_at: row.try_get("due_at")?,
-            deadline: row.try_get("deadline")?,
-            poll_at: row.try_get("poll_at")?,
-            resume_seq: row.try_get("resume_seq")?,
-            opened_at: row.try_get("opened_at")?,
-            created_at: row.try_get("created_at")?,
-            updated_at: row.try_get("updated_at")?,
-            version: row.try_get("version")?,
+            decision_id: get(row, "decision_id")?,
+            answer: get(row, "answer")?,
+            permit_id: get(row, "permit_id")?,
+            delivery: get(row, "delivery")?,
+            outcome_status: get(row, "outcome_status")?,
+            idempotency_key: get(row, "idempotency_key")?,
+            result: get(row, "result")?,
+            receipt: get(row, "receipt")?,
+            receipt_outcome: get(row, "receipt_outcome")?,
+            consume_inflight: get::<_, i64>(row, "consume_inflight")? != 0,
+            consume_attempts: get(row, "consume_attempts")?,
+            delivery_inflight: get::<_, i64>(row, "delivery_inflight")? != 0,
+            attempts: get(row, "attempts")?,
+            last_error: get(row, "last_error")?,
+            due_at: get(row, "due_at")?,
+            deadline: get(row, "deadline")?,
+            poll_at: get(row, "poll_at")?,
+            resume_seq: get(row, "resume_seq")?,
+            opened_at: get(row, "opened_at")?,
+            created_at: get(row, "created_at")?,
+            updated_at: get(row, "updated_at")?,
+            version: get(row, "version")?,
         })
     }
 }
@@ -119,13 +134,19 @@ impl Transition {
         }
     }
 
-    pub fn from_row(row: &SqliteRow) -> Result<Self, StoreError> {
+    pub fn from_row<R>(row: &R) -> Result<Self, StoreError>
+    where
+        R: Row,
+        for<'a> &'a str: ColumnIndex<R>,
+        for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+        for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    {
         Ok(Self {
-            from: row.try_get("from_state")?,
-            to: row.try_get("to_state")?,
-            at: row.try_get("at")?,
-            cause: row.try_get("cause")?,
-            actor: row.try_get("actor")?,
+            from: get(row, "from_state")?,
+            to: get(row, "to_state")?,
+            at: get(row, "at")?,
+            cause: get(row, "cause")?,
+            actor: get(row, "actor")?,
         })
     }
 }
@@ -148,20 +169,26 @@ pub struct InboxEntry {
 }
 
 impl InboxEntry {
-    pub fn from_row(row: &SqliteRow) -> Result<Self, StoreError> {
+    pub fn from_row<R>(row: &R) -> Result<Self, StoreError>
+    where
+        R: Row,
+        for<'a> &'a str: ColumnIndex<R>,
+        for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+        for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    {
         Ok(Self {
-            id: row.try_get("id")?,
-            tenant: row.try_get("tenant")?,
-            correlation_id: row.try_get("correlation_id")?,
-            answer: row.try_get("answer")?,
-            answered_at: row.try_get("answered_at")?,
-            source: row.try_get("source")?,
-            state: row.try_get("state")?,
-            received_at: row.try_get("received_at")?,
-            duplicates: row.try_get("duplicates")?,
-            operation_id: row.try_get("operation_id")?,
-            processed_at: row.try_get("processed_at")?,
-            note: row.try_get("note")?,
+            id: get(row, "id")?,
+            tenant: get(row, "tenant")?,
+            correlation_id: get(row, "correlation_id")?,
+            answer: get(row, "answer")?,
+            answered_at: get(row, "answered_at")?,
+            source: get(row, "source")?,
+            state: get(row, "state")?,
+            received_at: get(row, "received_at")?,
+            duplicates: get(row, "duplicates")?,
+            operation_id: get(row, "operation_id")?,
+            processed_at: get(row, "processed_at")?,
+            note: get(row, "note")?,
         })
     }
 }
@@ -179,15 +206,21 @@ pub struct DeliveryRecord {
 }
 
 impl DeliveryRecord {
-    pub fn from_row(row: &SqliteRow) -> Result<Self, StoreError> {
+    pub fn from_row<R>(row: &R) -> Result<Self, StoreError>
+    where
+        R: Row,
+        for<'a> &'a str: ColumnIndex<R>,
+        for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+        for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    {
         Ok(Self {
-            operation_id: row.try_get("operation_id")?,
-            attempt: row.try_get("attempt")?,
-            started_at: row.try_get("started_at")?,
-            duration_ms: row.try_get("duration_ms")?,
-            status_code: row.try_get("status_code")?,
-            error: row.try_get("error")?,
-            response_body: row.try_get("response_body")?,
+            operation_id: get(row, "operation_id")?,
+            attempt: get(row, "attempt")?,
+            started_at: get(row, "started_at")?,
+            duration_ms: get(row, "duration_ms")?,
+            status_code: get(row, "status_code")?,
+            error: get(row, "error")?,
+            response_body: get(row, "response_body")?,
         })
     }
 }

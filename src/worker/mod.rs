@@ -161,8 +161,53 @@ impl Engine {
             handles.push(tokio::spawn(async move { engine.worker_loop(i, shutdown).await }));
         }
         let engine = Arc::clone(self);
-        handles.push(tokio::spawn(async move { engine.reconciler_loop(shutdown).await }));
+        let reconcile_shutdown = shutdown.clone();
+        handles.push(tokio::spawn(async move { engine.reconciler_loop(reconcile_shutdown).await }));
+        if self.store.is_postgres() {
+            let engine = Arc::clone(self);
+            handles.push(tokio::spawn(async move { engine.listen_loop(shutdown).await }));
+        }
         handles
+    }
+
+    /// PostgreSQL: wake on NOTIFY from any replica, so new work is picked
+    /// up within milliseconds rather than on the safety-net tick.
+    async fn listen_loop(&self, shutdown: CancellationToken) {
+        let Some(pool) = self.store.pg_pool() else { return };
+        let mut failures = 0;
+        while !shutdown.is_cancelled() {
+            let listener = async {
+                let mut l = sqlx::postgres::PgListener::connect_with(pool).await?;
+                l.listen(crate::store::WORK_CHANNEL).await?;
+                Ok::<_, sqlx::Error>(l)
+            };
+            let mut listener = match listener.await {
+                Ok(l) => l,
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = %e, "cannot LISTEN; relying on polling until it works");
+                    let delay =
+                        Duration::from_millis(u64::try_from(self.backoff_ms(failures)).unwrap_or(1000));
+                    tokio::select! { () = shutdown.cancelled() => break, () = tokio::time::sleep(delay) => {} }
+                    continue;
+                }
+            };
+            failures = 0;
+            // Anything committed while we were not listening.
+            self.wake();
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    n = listener.recv() => match n {
+                        Ok(_) => self.wake(),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
+                            break;
+                        }
+                    }
+                }
+            }
+        }
     }
 
     async fn worker_loop(&self, index: usize, shutdown: CancellationToken) {

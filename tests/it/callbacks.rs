@@ -6,7 +6,7 @@ use serde_json::json;
 
 use crate::harness::{Options, TestApp, confirm};
 
-#[tokio::test]
+both_engines! {
 async fn unverified_or_malformed_callbacks_are_rejected_and_store_nothing() {
     let app = TestApp::spawn().await;
     let (body, good_sig) = app.signed_callback("dec_x", "yes");
@@ -45,8 +45,9 @@ async fn unverified_or_malformed_callbacks_are_rejected_and_store_nothing() {
     assert_eq!(app.post_callback(&body, Some(&good_sig)).await.0, 200);
     assert_eq!(app.inbox_len().await, 1);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn the_same_callback_five_times_and_concurrently_resumes_once() {
     let app = TestApp::spawn().await;
     let id = app.enqueue_ok(&confirm("dup")).await;
@@ -82,6 +83,7 @@ async fn the_same_callback_five_times_and_concurrently_resumes_once() {
     assert_eq!(app.sandbox.consume_calls(&decision), 1);
     assert_eq!(app.deliveries_for(&id).len(), 1);
 }
+}
 
 async fn futures_join(app: &TestApp, body: &[u8], sig: &str, n: usize) -> Vec<(u16, serde_json::Value)> {
     let mut set = tokio::task::JoinSet::new();
@@ -98,10 +100,10 @@ async fn futures_join(app: &TestApp, body: &[u8], sig: &str, n: usize) -> Vec<(u
     set.join_all().await
 }
 
-/// The callback arrives while approvald has not yet recorded the decision
-/// id (here: Pushary created the decision, approvald has not heard back).
-/// It waits in the inbox and is processed once the id is recorded.
-#[tokio::test]
+// The callback arrives while approvald has not yet recorded the decision
+// id (here: Pushary created the decision, approvald has not heard back).
+// It waits in the inbox and is processed once the id is recorded.
+both_engines! {
 async fn an_early_callback_waits_in_the_inbox_until_the_decision_id_is_recorded() {
     let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
     let id = app.enqueue_ok(&confirm("early")).await;
@@ -142,8 +144,9 @@ async fn an_early_callback_waits_in_the_inbox_until_the_decision_id_is_recorded(
     assert_eq!(app.sandbox.consume_calls(&decision), 1);
     assert_eq!(app.deliveries_for(&id).len(), 1);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn a_callback_for_an_unknown_decision_is_kept_not_lost() {
     let app = TestApp::spawn().await;
     let (body, sig) = app.signed_callback("dec_nobody_knows", "yes");
@@ -153,8 +156,9 @@ async fn a_callback_for_an_unknown_decision_is_kept_not_lost() {
         app.store().inbox_by_correlation("default", "dec_nobody_knows").await.expect("store").expect("kept");
     assert_eq!(entry.state, "new");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn a_store_that_cannot_commit_answers_503_so_pushary_retries() {
     let app = TestApp::spawn().await;
     app.store().close().await;
@@ -163,4 +167,5 @@ async fn a_store_that_cannot_commit_answers_503_so_pushary_retries() {
     assert_eq!(status, 503, "{err}");
     assert_eq!(err["code"], "store_unavailable");
     assert!(!err["detail"].as_str().unwrap_or("").contains(".db"), "no file paths in errors: {err}");
+}
 }

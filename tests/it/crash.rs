@@ -57,7 +57,7 @@ async fn crash_at(fault: &str, extra: &str, callback: CallbackMode) -> (Daemon, 
     (d, op, decision)
 }
 
-#[tokio::test]
+both_engines! {
 async fn killed_after_the_inbox_commit_before_the_ack_the_callback_is_still_processed() {
     let (d, op, decision) = crash_at("after_inbox_commit", "", CallbackMode::Send).await;
     assert_eq!(op["state"], "succeeded", "{op:#}");
@@ -78,8 +78,9 @@ async fn killed_after_the_inbox_commit_before_the_ack_the_callback_is_still_proc
     assert_eq!(after["transitions"], op["transitions"], "the duplicate changed nothing");
     assert_eq!(d.sandbox.consume_calls(&decision), 1);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn killed_before_the_consume_call_the_permit_is_consumed_once_on_restart() {
     let (d, op, decision) = crash_at("after_consume_inflight_recorded", "", CallbackMode::Send).await;
     // The first consume never left the process; the retry is the first one Pushary sees.
@@ -87,8 +88,9 @@ async fn killed_before_the_consume_call_the_permit_is_consumed_once_on_restart()
     assert_eq!(d.sandbox.consume_calls(&decision), 1);
     check(&d, &op, &decision);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn killed_after_consume_returned_before_recording_the_permit_ends_uncertain_never_run() {
     let (d, op, decision) = crash_at("after_consume_returned", "", CallbackMode::Send).await;
     assert_eq!(op["state"], "uncertain", "{op:#}");
@@ -116,24 +118,27 @@ async fn killed_after_consume_returned_before_recording_the_permit_ends_uncertai
     assert_eq!(last["actor"], "operator:alice");
     assert!(last["cause"].as_str().unwrap_or("").contains("no refund"));
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn killed_after_delivering_was_recorded_before_the_call_ends_uncertain_not_redelivered() {
     let (d, op, decision) = crash_at("after_delivering_recorded", "", CallbackMode::Send).await;
     assert_eq!(op["state"], "uncertain", "{op:#}");
     assert_eq!(d.sandbox.consume_calls(&decision), 1);
     check(&d, &op, &decision);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn killed_after_delivering_was_recorded_a_redeliver_safe_target_gets_it_again_once() {
     let (d, op, decision) =
         crash_at("after_delivering_recorded", "redeliver_safe = true", CallbackMode::Send).await;
     assert_eq!(op["state"], "succeeded", "{op:#}");
     check(&d, &op, &decision);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn killed_after_the_effect_answered_2xx_ends_uncertain_with_one_execution() {
     let (d, op, decision) = crash_at("after_effect_answered", "", CallbackMode::Send).await;
     assert_eq!(op["state"], "uncertain", "{op:#}");
@@ -143,8 +148,9 @@ async fn killed_after_the_effect_answered_2xx_ends_uncertain_with_one_execution(
     assert!(key.is_none() || d.sandbox.effect_executions(key.as_deref().unwrap_or("")) <= 1);
     check(&d, &op, &decision);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn killed_after_the_effect_answered_a_redeliver_safe_target_replays_without_a_second_execution() {
     let (d, op, decision) =
         crash_at("after_effect_answered", "redeliver_safe = true", CallbackMode::Send).await;
@@ -155,8 +161,9 @@ async fn killed_after_the_effect_answered_a_redeliver_safe_target_replays_withou
     assert_eq!(deliveries.iter().filter(|e| e.executed).count(), 1, "executed once");
     check(&d, &op, &decision);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn killed_before_the_receipt_the_receipt_is_recorded_after_restart() {
     let (d, op, decision) = crash_at("before_receipt", "", CallbackMode::Send).await;
     assert_eq!(op["state"], "succeeded", "{op:#}");
@@ -164,4 +171,5 @@ async fn killed_before_the_receipt_the_receipt_is_recorded_after_restart() {
     let permit = op["permitId"].as_str().expect("permit");
     assert_eq!(d.sandbox.receipts(permit).expect("receipt").outcome, "succeeded");
     check(&d, &op, &decision);
+}
 }

@@ -24,6 +24,7 @@ pub struct Daemon {
     _dir: tempfile::TempDir,
     config: PathBuf,
     child: Option<Child>,
+    _pg: Option<crate::harness::PgDb>,
     stderr: Arc<Mutex<String>>,
     shutdown: CancellationToken,
     pub kills: usize,
@@ -56,6 +57,7 @@ impl Daemon {
         let port =
             std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
         let dir = tempfile::tempdir().expect("tempdir");
+        let (store_url, pg) = crate::harness::store_url(&dir.path().join("approvald.db")).await;
         let config = dir.path().join("approvald.toml");
         std::fs::write(
             &config,
@@ -65,7 +67,8 @@ impl Daemon {
 listen = "127.0.0.1:{port}"
 public_url = "http://127.0.0.1:{port}"
 [store]
-url = "sqlite://{db}"
+url = "{store_url}"
+max_connections = 4
 [api]
 tokens = ["{TOKEN}"]
 [pushary]
@@ -88,7 +91,6 @@ secret = "{effect_secret}"
 timeout_secs = 3
 {extra}
 "#,
-                db = dir.path().join("approvald.db").display(),
                 base = sandbox.base_url(),
                 key = sandbox.api_key(),
                 whsec = sandbox.webhook_secret(),
@@ -103,6 +105,7 @@ timeout_secs = 3
             _dir: dir,
             config,
             child: None,
+            _pg: pg,
             stderr: Arc::new(Mutex::new(String::new())),
             shutdown,
             kills: 0,
@@ -216,8 +219,12 @@ timeout_secs = 3
         }
     }
 
-    pub fn db_path(&self) -> PathBuf {
-        self._dir.path().join("approvald.db")
+    /// The store URL the daemon uses (a SQLite file or a PostgreSQL database).
+    pub fn store_url(&self) -> String {
+        match &self._pg {
+            Some(pg) => pg.url.clone(),
+            None => format!("sqlite://{}", self._dir.path().join("approvald.db").display()),
+        }
     }
 
     /// Runs `approvald` with the same config for a CLI command.

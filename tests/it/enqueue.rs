@@ -4,7 +4,7 @@ use serde_json::{Value, json};
 
 use crate::harness::{TOKEN, TestApp, confirm};
 
-#[tokio::test]
+both_engines! {
 async fn enqueue_is_idempotent_on_the_operation_key() {
     let app = TestApp::spawn().await;
     let body = confirm("idem");
@@ -32,8 +32,9 @@ async fn enqueue_is_idempotent_on_the_operation_key() {
     let op = &listed[0];
     assert_eq!(op.spec.subject.parameters.as_ref().expect("params")["amount"], 40);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn every_violated_bound_is_a_422_naming_the_field_and_stores_nothing() {
     let app = TestApp::spawn().await;
     let many: serde_json::Map<String, Value> = (0..33).map(|i| (format!("k{i}"), json!(i))).collect();
@@ -83,8 +84,9 @@ async fn every_violated_bound_is_a_422_naming_the_field_and_stores_nothing() {
     assert_eq!((status, err["field"].as_str()), (422, Some("options")));
     assert!(app.store().list_operations(&Default::default()).await.expect("list").is_empty());
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn requests_without_a_valid_token_or_json_are_refused() {
     let app = TestApp::spawn().await;
     let url = format!("{}/v1/operations", app.base);
@@ -141,8 +143,9 @@ async fn requests_without_a_valid_token_or_json_are_refused() {
     assert_eq!(bad_filter.status().as_u16(), 400);
     assert!(app.store().list_operations(&Default::default()).await.expect("list").is_empty());
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn list_filters_by_state_and_thread() {
     let app = TestApp::spawn().await;
     let a = app.enqueue_ok(&confirm("list-a")).await;
@@ -161,4 +164,5 @@ async fn list_filters_by_state_and_thread() {
     let ops = resp["operations"].as_array().expect("list");
     assert_eq!(ops.len(), 1);
     assert_eq!(ops[0]["id"], a);
+}
 }

@@ -6,9 +6,46 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use sqlx::Connection;
 
-use crate::harness::{Options, TestApp, WAIT, confirm};
+use crate::harness::{Backend, Options, TestApp, WAIT, backend, confirm};
 
-#[tokio::test]
+/// Another client holding the store's write lock: SQLite's database lock,
+/// or PostgreSQL's lock on the inbox table.
+enum StoreLock {
+    Sqlite(sqlx::SqliteConnection),
+    Postgres(sqlx::PgConnection),
+}
+
+impl StoreLock {
+    async fn take(app: &TestApp) -> StoreLock {
+        match backend() {
+            Backend::Sqlite => {
+                let url = format!("sqlite://{}", app.db_path().display());
+                let mut c = sqlx::SqliteConnection::connect(&url).await.expect("second connection");
+                sqlx::query("BEGIN EXCLUSIVE").execute(&mut c).await.expect("lock");
+                StoreLock::Sqlite(c)
+            }
+            Backend::Postgres(_) => {
+                let mut c = sqlx::PgConnection::connect(&app.store_url()).await.expect("second connection");
+                sqlx::query("BEGIN").execute(&mut c).await.expect("begin");
+                sqlx::query("LOCK TABLE inbox IN EXCLUSIVE MODE").execute(&mut c).await.expect("lock");
+                StoreLock::Postgres(c)
+            }
+        }
+    }
+
+    async fn release(self) {
+        match self {
+            StoreLock::Sqlite(mut c) => {
+                sqlx::query("ROLLBACK").execute(&mut c).await.expect("unlock");
+            }
+            StoreLock::Postgres(mut c) => {
+                sqlx::query("ROLLBACK").execute(&mut c).await.expect("unlock");
+            }
+        }
+    }
+}
+
+both_engines! {
 async fn a_locked_store_answers_503_acknowledges_nothing_and_recovers() {
     let app = TestApp::spawn_with(Options {
         extra_toml: String::new(),
@@ -19,10 +56,7 @@ async fn a_locked_store_answers_503_acknowledges_nothing_and_recovers() {
     let id = app.enqueue_ok(&confirm("locked")).await;
     let decision = app.decision_of(&id).await;
 
-    let mut lock = sqlx::SqliteConnection::connect(&format!("sqlite://{}", app.db_path().display()))
-        .await
-        .expect("second connection");
-    sqlx::query("BEGIN EXCLUSIVE").execute(&mut lock).await.expect("lock");
+    let lock = StoreLock::take(&app).await;
     let (body, sig) = app.signed_callback(&decision, "yes");
     let (status, err) = app.post_callback(&body, Some(&sig)).await;
     assert_eq!(status, 503, "{err}");
@@ -35,17 +69,23 @@ async fn a_locked_store_answers_503_acknowledges_nothing_and_recovers() {
         None,
         "nothing acknowledged"
     );
-    sqlx::query("ROLLBACK").execute(&mut lock).await.expect("unlock");
-    drop(lock);
+    // Readers are not blocked (WAL; EXCLUSIVE lets SELECT through).
     assert_eq!(app.inbox_len().await, 0, "nothing was stored while locked");
+    lock.release().await;
+    // Pushary retries until it gets a 2xx; do what its next retry would.
+    let start = Instant::now();
+    while app.post_callback(&body, Some(&sig)).await.0 != 200 {
+        assert!(start.elapsed() < WAIT, "the store never came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     let op = app.wait_op(&id, "receipt recorded", |o| o["receipt"] == "recorded").await;
     assert_eq!(op["state"], "succeeded");
     assert_eq!(app.sandbox.consume_calls(&decision), 1);
-    assert!(app.sandbox.decision(&decision).expect("d").callback.attempts >= 2);
+}
 }
 
-#[tokio::test]
+both_engines! {
 async fn a_thread_held_by_a_dead_worker_is_taken_over_when_its_lease_expires() {
     let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
     let now = approvald::clock::now_ms();
@@ -69,8 +109,9 @@ async fn a_thread_held_by_a_dead_worker_is_taken_over_when_its_lease_expires() {
     }
     assert!(start.elapsed() >= Duration::from_millis(500), "taken over only after expiry");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn callbacks_that_never_match_become_visible_orphans_and_revive_if_their_operation_appears() {
     let app = TestApp::spawn_with(Options {
         manual: true,
@@ -126,8 +167,9 @@ async fn callbacks_that_never_match_become_visible_orphans_and_revive_if_their_o
     assert_eq!(op["state"], "succeeded", "{op:#}");
     assert_eq!(app.sandbox.consume_calls(&decision), 1);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn an_effect_target_that_never_confirms_is_retried_with_one_key_then_uncertain() {
     let app = TestApp::spawn().await;
     app.sandbox.set_effect_response(503, 10_000);
@@ -148,8 +190,9 @@ async fn an_effect_target_that_never_confirms_is_retried_with_one_key_then_uncer
     assert!(seen.iter().all(|e| !e.executed));
     assert_eq!(app.sandbox.consume_calls(&decision), 1, "never a second approval");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn a_rejection_whose_target_fails_is_retried_until_it_is_delivered() {
     let app = TestApp::spawn().await;
     app.sandbox.set_effect_response(500, 3);
@@ -160,8 +203,9 @@ async fn a_rejection_whose_target_fails_is_retried_until_it_is_delivered() {
     assert_eq!(op["state"], "denied");
     assert_eq!(app.deliveries_for(&id).len(), 4);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn a_lost_consume_response_then_already_consumed_is_uncertain_and_never_runs() {
     let app = TestApp::spawn_with(Options { pushary_timeout_secs: Some(1), ..Options::default() }).await;
     let id = app.enqueue_ok(&confirm("lost-consume")).await;
@@ -219,8 +263,9 @@ async fn a_lost_consume_response_then_already_consumed_is_uncertain_and_never_ru
     assert_eq!(shown["operationId"], id);
     assert!(shown["body"].as_str().unwrap_or("").contains(&decision));
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn pushary_5xx_is_retried_by_the_opener_with_the_identical_payload() {
     let app = TestApp::spawn().await;
     app.sandbox.fail_next_api_calls(503, 3);
@@ -234,8 +279,9 @@ async fn pushary_5xx_is_retried_by_the_opener_with_the_identical_payload() {
     let op = app.get(&id).await;
     assert!(op["transitions"].as_array().expect("h").iter().any(|t| t["to"] == "pending"));
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn pushary_5xx_during_a_poll_is_retried_until_the_answer_is_found() {
     let app = TestApp::spawn_with(Options { poll_after_secs: Some(0), ..Options::default() }).await;
     let id = app.enqueue_ok(&confirm("poll-5xx")).await;
@@ -254,8 +300,9 @@ async fn pushary_5xx_during_a_poll_is_retried_until_the_answer_is_found() {
     let op = app.wait_op(&id, "done", |o| o["receipt"] == "recorded").await;
     assert_eq!(op["state"], "succeeded");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn an_unreachable_pushary_is_never_permission_and_the_deadline_still_ends_it() {
     // A port nobody listens on.
     let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
@@ -277,8 +324,9 @@ async fn an_unreachable_pushary_is_never_permission_and_the_deadline_still_ends_
     assert_eq!(app.deliveries_for(&id).len(), 1, "the expiry is delivered as a rejection");
     assert_eq!(app.deliveries_for(&id)[0]["status"], "expired");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn a_thread_lease_is_exclusive_until_it_expires_and_then_lost_by_its_old_owner() {
     let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
     let s = app.store();
@@ -292,4 +340,5 @@ async fn a_thread_lease_is_exclusive_until_it_expires_and_then_lost_by_its_old_o
         "expired: taken"
     );
     assert!(!s.renew_lease("default", "t", "a", now + 3000).await.expect("store"), "the old owner lost it");
+}
 }

@@ -14,6 +14,93 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub const TOKEN: &str = "test-token-0123456789";
+
+/// The engine a test runs on; set per test by `both_engines!`.
+#[derive(Clone, Debug)]
+pub enum Backend {
+    Sqlite,
+    /// The server's admin URL; each test gets its own database.
+    Postgres(String),
+}
+
+tokio::task_local! {
+    pub static BACKEND: Backend;
+}
+
+pub fn backend() -> Backend {
+    BACKEND.try_with(Clone::clone).unwrap_or(Backend::Sqlite)
+}
+
+impl Backend {
+    /// PostgreSQL from `APPROVALD_TEST_PG_URL`; without it, says loudly
+    /// (on the real stderr, past libtest's capture) that the test was skipped.
+    pub fn postgres(test: &str) -> Option<Backend> {
+        match std::env::var("APPROVALD_TEST_PG_URL") {
+            Ok(url) if !url.is_empty() => Some(Backend::Postgres(url)),
+            _ => {
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "SKIPPED {test} on PostgreSQL: APPROVALD_TEST_PG_URL is not set (.ci/run sets it)"
+                );
+                None
+            }
+        }
+    }
+}
+
+/// A fresh PostgreSQL database, dropped (with its connections) at the end.
+pub struct PgDb {
+    pub url: String,
+    admin: String,
+    name: String,
+}
+
+impl PgDb {
+    pub async fn create(admin: &str) -> PgDb {
+        use sqlx::Connection as _;
+        let name = format!("approvald_test_{:016x}", rand::random::<u64>());
+        let mut conn = sqlx::PgConnection::connect(admin).await.expect("connect to the PostgreSQL admin URL");
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut conn)
+            .await
+            .expect("create the test database");
+        let base = admin.rsplit_once('/').map_or(admin, |(b, _)| b);
+        PgDb { url: format!("{base}/{name}"), admin: admin.to_string(), name }
+    }
+}
+
+impl Drop for PgDb {
+    fn drop(&mut self) {
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        // Drop runs outside any runtime we may block; use a thread of our own.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(async {
+                use sqlx::Connection as _;
+                if let Ok(mut conn) = sqlx::PgConnection::connect(&admin).await {
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&mut conn)
+                    .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// The store URL for a test on the current backend, and the database guard.
+pub async fn store_url(sqlite_path: &std::path::Path) -> (String, Option<PgDb>) {
+    match backend() {
+        Backend::Sqlite => (format!("sqlite://{}", sqlite_path.display()), None),
+        Backend::Postgres(admin) => {
+            let db = PgDb::create(&admin).await;
+            (db.url.clone(), Some(db))
+        }
+    }
+}
 pub const WAIT: Duration = Duration::from_secs(15);
 
 #[derive(Clone, Default)]
@@ -38,11 +125,13 @@ pub struct TestApp {
     pub webhook_secret: String,
     shutdown: CancellationToken,
     _dir: tempfile::TempDir,
+    _pg: Option<PgDb>,
 }
 
 impl Drop for TestApp {
     fn drop(&mut self) {
         self.shutdown.cancel();
+        // `pg` drops after this, and forces its connections closed.
     }
 }
 
@@ -64,6 +153,7 @@ impl TestApp {
         .await
         .expect("sandbox starts");
         let dir = tempfile::tempdir().expect("tempdir");
+        let (store_url, pg) = store_url(&dir.path().join("approvald.db")).await;
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind approvald");
         let addr = listener.local_addr().expect("addr");
         let toml = format!(
@@ -72,7 +162,8 @@ impl TestApp {
             listen = "{addr}"
             public_url = "http://{addr}"
             [store]
-            url = "sqlite://{db}"
+            url = "{store_url}"
+            max_connections = 4
             busy_timeout_ms = {busy}
             [api]
             tokens = ["{TOKEN}"]
@@ -95,7 +186,6 @@ impl TestApp {
             timeout_secs = 5
             {extra}
             "#,
-            db = dir.path().join("approvald.db").display(),
             base = opts.pushary_base_url.clone().unwrap_or_else(|| sandbox.base_url()),
             ptimeout = opts.pushary_timeout_secs.unwrap_or(5),
             key = sandbox.api_key(),
@@ -130,11 +220,19 @@ impl TestApp {
             http,
             shutdown,
             _dir: dir,
+            _pg: pg,
         }
     }
 
     pub fn db_path(&self) -> std::path::PathBuf {
         self._dir.path().join("approvald.db")
+    }
+
+    pub fn store_url(&self) -> String {
+        match &self._pg {
+            Some(pg) => pg.url.clone(),
+            None => format!("sqlite://{}", self.db_path().display()),
+        }
     }
 
     pub fn store(&self) -> &Store {

@@ -5,7 +5,7 @@ use serde_json::json;
 
 use crate::harness::{Options, TestApp, WAIT, confirm};
 
-#[tokio::test]
+both_engines! {
 async fn confirm_yes_consumes_once_delivers_the_permit_and_records_the_receipt() {
     let app = TestApp::spawn().await;
     let id = app.enqueue_ok(&confirm("yes")).await;
@@ -48,8 +48,9 @@ async fn confirm_yes_consumes_once_delivers_the_permit_and_records_the_receipt()
     assert_eq!(states, ["enqueued", "pending", "answered", "permitted", "delivering", "succeeded"]);
     assert_eq!(op["result"]["executed"], true, "the effect's 2xx body is kept as the result");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn confirm_no_is_denied_and_delivered_as_a_rejection_without_consuming() {
     let app = TestApp::spawn().await;
     let id = app.enqueue_ok(&confirm("no")).await;
@@ -65,8 +66,9 @@ async fn confirm_no_is_denied_and_delivered_as_a_rejection_without_consuming() {
     assert!(d[0]["permitId"].is_null());
     assert_eq!(d[0]["answer"], "no");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn select_and_input_answers_are_delivered_as_data_without_a_permit() {
     let app = TestApp::spawn().await;
     let mut select = confirm("select");
@@ -92,10 +94,11 @@ async fn select_and_input_answers_are_delivered_as_data_without_a_permit() {
         assert!(d[0]["permitId"].is_null());
     }
 }
+}
 
-/// Answers the sandbox would never send, delivered as validly signed
-/// callbacks (a buggy or compromised peer): each fails closed.
-#[tokio::test]
+// Answers the sandbox would never send, delivered as validly signed
+// callbacks (a buggy or compromised peer): each fails closed.
+both_engines! {
 async fn malformed_answers_are_invalid_and_consume_nothing() {
     let app = TestApp::spawn().await;
     let mut cases = vec![];
@@ -127,8 +130,9 @@ async fn malformed_answers_are_invalid_and_consume_nothing() {
         assert_eq!(d[0]["approved"], false);
     }
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn each_permit_refusal_ends_refused_and_nothing_approved_is_delivered() {
     let app = TestApp::spawn().await;
     for (n, refusal) in
@@ -152,8 +156,9 @@ async fn each_permit_refusal_ends_refused_and_nothing_approved_is_delivered() {
         assert!(cause.as_str().unwrap_or("").contains(refusal.as_str()), "{cause}");
     }
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn a_refused_recipient_is_unreachable_when_reachability_is_required() {
     let app = TestApp::spawn_with(Options { require_reachable: true, ..Options::default() }).await;
     let mut body = confirm("unreachable");
@@ -165,8 +170,9 @@ async fn a_refused_recipient_is_unreachable_when_reachability_is_required() {
     assert!(app.sandbox.decisions().is_empty(), "no decision may be created");
     assert_eq!(app.deliveries_for(&id)[0]["status"], "unreachable");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn delete_cancels_at_pushary_and_delivers_the_cancellation() {
     let app = TestApp::spawn().await;
     let id = app.enqueue_ok(&confirm("cancel")).await;
@@ -195,8 +201,9 @@ async fn delete_cancels_at_pushary_and_delivers_the_cancellation() {
     let body: serde_json::Value = again.json().await.expect("json");
     assert_eq!(body["code"], "not_cancellable");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn an_effect_that_fails_with_5xx_is_retried_with_the_same_key_then_succeeds() {
     let app = TestApp::spawn().await;
     app.sandbox.set_effect_response(503, 2);
@@ -216,8 +223,9 @@ async fn an_effect_that_fails_with_5xx_is_retried_with_the_same_key_then_succeed
     assert_eq!(seen.iter().filter(|e| e.executed).count(), 1);
     assert_eq!(app.sandbox.consume_calls(&decision), 1);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn an_effect_that_refuses_with_4xx_ends_failed_with_a_failed_receipt() {
     let app = TestApp::spawn().await;
     app.sandbox.set_effect_response(422, 1);
@@ -229,10 +237,11 @@ async fn an_effect_that_refuses_with_4xx_ends_failed_with_a_failed_receipt() {
     let permit = op["permitId"].as_str().expect("permit");
     assert_eq!(app.sandbox.receipts(permit).expect("receipt").outcome, "failed");
 }
+}
 
-/// Guarantee 4: answers of one thread resume in arrival order. The first
-/// answer's effect fails and is retried; the second answer waits for it.
-#[tokio::test]
+// Guarantee 4: answers of one thread resume in arrival order. The first
+// answer's effect fails and is retried; the second answer waits for it.
+both_engines! {
 async fn answers_of_one_thread_resume_in_arrival_order_even_while_the_first_is_retried() {
     let app = TestApp::spawn().await;
     let mut a = confirm("order-a");
@@ -274,4 +283,5 @@ async fn answers_of_one_thread_resume_in_arrival_order_even_while_the_first_is_r
     let last_a = all.iter().rposition(|x| *x == ia).expect("a delivered");
     let first_b = all.iter().position(|x| *x == ib).expect("b delivered");
     assert!(last_a < first_b, "b was not attempted before a finished: {all:?}");
+}
 }

@@ -7,7 +7,7 @@ use serde_json::json;
 
 use crate::harness::{Options, TestApp, WAIT, confirm};
 
-#[tokio::test]
+both_engines! {
 async fn an_unanswered_decision_expires_at_its_deadline_and_is_cancelled_at_pushary() {
     let app = TestApp::spawn().await;
     let mut body = confirm("expire");
@@ -43,8 +43,9 @@ async fn an_unanswered_decision_expires_at_its_deadline_and_is_cancelled_at_push
     assert_eq!(app.get(&id).await["state"], "expired");
     assert_eq!(app.sandbox.consume_calls(&decision), 0);
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn a_dropped_callback_is_found_by_polling_and_the_operation_completes() {
     let app = TestApp::spawn_with(Options { poll_after_secs: Some(0), ..Options::default() }).await;
     let id = app.enqueue_ok(&confirm("dropped")).await;
@@ -67,8 +68,9 @@ async fn a_dropped_callback_is_found_by_polling_and_the_operation_completes() {
     let entry = app.store().inbox_by_correlation("default", &decision).await.expect("store").expect("entry");
     assert_eq!(entry.source, "poll");
 }
+}
 
-#[tokio::test]
+both_engines! {
 async fn a_decision_cancelled_at_pushary_is_found_by_polling() {
     let app = TestApp::spawn_with(Options { poll_after_secs: Some(0), ..Options::default() }).await;
     let id = app.enqueue_ok(&confirm("remote-cancel")).await;
@@ -89,4 +91,5 @@ async fn a_decision_cancelled_at_pushary_is_found_by_polling() {
     }
     let d = app.wait_deliveries(&id, 1).await;
     assert_eq!(d[0]["status"], "cancelled");
+}
 }

@@ -1,0 +1,800 @@
+//! The store's statements, written once for both engines: SQLite (one
+//! node, WAL, `synchronous=FULL` by default) and PostgreSQL (any number of
+//! replicas). Placeholders are `$N`, which both accept. SQLite write
+//! transactions start with `BEGIN IMMEDIATE`, so a read-then-write never
+//! deadlocks on the lock upgrade; PostgreSQL's run at READ COMMITTED, where
+//! every write is a compare-and-set or an upsert that re-checks its
+//! condition on the current row.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{AssertSqlSafe, Row, SqlStr};
+
+use super::rows::{DeliveryRecord, InboxEntry, Operation, Transition};
+use super::{InboxInsert, Inserted, NewInboxEntry, OperationFilter, StoreError};
+use crate::config::StoreConfig;
+
+macro_rules! op_cols {
+    () => {
+        "id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, decision_type, spec, \
+         decision_request, state, decision_id, answer, permit_id, delivery, outcome_status, idempotency_key, \
+         result, receipt, receipt_outcome, consume_inflight, consume_attempts, delivery_inflight, attempts, \
+         last_error, due_at, deadline, poll_at, resume_seq, opened_at, created_at, updated_at, version"
+    };
+}
+
+macro_rules! inbox_cols {
+    () => {
+        "id, tenant, correlation_id, answer, answered_at, source, state, received_at, duplicates, \
+         operation_id, processed_at, note"
+    };
+}
+
+/// Runs `$body` with `$pool` bound to the engine's pool, `$begin` to the
+/// statement that opens a write transaction and `$pg` to whether it is
+/// PostgreSQL. The body is compiled once per engine.
+macro_rules! with_pool {
+    ($self:ident, $pool:ident, $begin:ident, $pg:ident => $body:block) => {
+        match &$self.backend {
+            Backend::Sqlite($pool) => {
+                #[allow(dead_code)]
+                const $begin: &str = "BEGIN IMMEDIATE";
+                #[allow(dead_code)]
+                const $pg: bool = false;
+                $body
+            }
+            Backend::Postgres($pool) => {
+                #[allow(dead_code)]
+                const $begin: &str = "BEGIN";
+                #[allow(dead_code)]
+                const $pg: bool = true;
+                $body
+            }
+        }
+    };
+}
+
+macro_rules! insert_transition {
+    ($tx:ident, $operation_id:expr, $t:expr) => {
+        sqlx::query(
+            "INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind($operation_id)
+        .bind(&$t.from)
+        .bind(&$t.to)
+        .bind($t.at)
+        .bind(&$t.cause)
+        .bind(&$t.actor)
+        .execute(&mut *$tx)
+    };
+}
+
+/// Wakes workers on every replica (PostgreSQL); delivered at commit.
+macro_rules! notify_work {
+    ($pg:ident, $tx:ident) => {
+        if $pg {
+            sqlx::query("SELECT pg_notify('approvald_work', '')").execute(&mut *$tx).await?;
+        }
+    };
+}
+
+/// The channel `notify_work!` signals.
+pub const WORK_CHANNEL: &str = "approvald_work";
+
+/// Our migrations table is named for us so no other library's collides.
+const MIGRATIONS_TABLE: &str = "approvald_migrations";
+
+const SQLITE_MIGRATIONS: &[(i64, &str, &str)] =
+    &[(1, "init", include_str!("../../migrations/sqlite/0001_init.sql"))];
+const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] =
+    &[(1, "init", include_str!("../../migrations/postgres/0001_init.sql"))];
+
+fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
+    let migrations = files
+        .iter()
+        .map(|(v, d, sql)| {
+            Migration::new(*v, (*d).into(), MigrationType::Simple, SqlStr::from_static(sql), false)
+        })
+        .collect();
+    let mut m = Migrator::with_migrations(migrations);
+    m.dangerous_set_table_name(MIGRATIONS_TABLE);
+    m
+}
+
+#[derive(Clone, Debug)]
+enum Backend {
+    Sqlite(SqlitePool),
+    Postgres(PgPool),
+}
+
+#[derive(Clone, Debug)]
+pub struct Store {
+    backend: Backend,
+}
+
+impl Store {
+    /// Opens `store.url`: `sqlite://…` or `postgres://…`.
+    pub async fn connect(config: &StoreConfig) -> Result<Self, StoreError> {
+        let backend = if config.url.starts_with("postgres") {
+            let options = PgConnectOptions::from_str(&config.url)
+                .map_err(|e| StoreError::Unavailable(format!("bad store.url: {e}")))?
+                .application_name("approvald")
+                // A write that waits this long for a lock fails (the receiver
+                // then answers 503), as SQLite's busy_timeout does.
+                .options([("lock_timeout", format!("{}ms", config.busy_timeout_ms))]);
+            let pool = PgPoolOptions::new()
+                .max_connections(config.max_connections)
+                .acquire_timeout(Duration::from_millis(config.busy_timeout_ms.max(1000)))
+                .connect_with(options)
+                .await?;
+            Backend::Postgres(pool)
+        } else {
+            let synchronous = match config.sqlite_synchronous.as_str() {
+                "normal" => SqliteSynchronous::Normal,
+                "extra" => SqliteSynchronous::Extra,
+                _ => SqliteSynchronous::Full,
+            };
+            let options = SqliteConnectOptions::from_str(&config.url)
+                .map_err(|e| StoreError::Unavailable(format!("bad store.url: {e}")))?
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(synchronous)
+                .busy_timeout(Duration::from_millis(config.busy_timeout_ms))
+                .foreign_keys(true);
+            let pool = SqlitePoolOptions::new()
+                .max_connections(config.max_connections)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_with(options)
+                .await?;
+            Backend::Sqlite(pool)
+        };
+        Ok(Self { backend })
+    }
+
+    pub fn is_postgres(&self) -> bool {
+        matches!(self.backend, Backend::Postgres(_))
+    }
+
+    /// The PostgreSQL pool, for LISTEN; `None` on SQLite.
+    pub fn pg_pool(&self) -> Option<&PgPool> {
+        match &self.backend {
+            Backend::Postgres(p) => Some(p),
+            Backend::Sqlite(_) => None,
+        }
+    }
+
+    /// Applies pending migrations. Safe to run again, and (PostgreSQL)
+    /// from several processes at once: sqlx takes an advisory lock.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let result = match &self.backend {
+            Backend::Sqlite(pool) => migrator(SQLITE_MIGRATIONS).run(pool).await,
+            Backend::Postgres(pool) => migrator(POSTGRES_MIGRATIONS).run(pool).await,
+        };
+        result.map_err(|e| StoreError::Migrate(e.to_string()))
+    }
+
+    /// The newest migration applied, and the newest this binary knows.
+    pub async fn migration_status(&self) -> Result<(Option<i64>, i64), StoreError> {
+        let files = if self.is_postgres() { POSTGRES_MIGRATIONS } else { SQLITE_MIGRATIONS };
+        let latest = files.iter().map(|m| m.0).max().unwrap_or(0);
+        with_pool!(self, pool, BEGIN, PG => {
+            let applied: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT MAX(version) FROM {MIGRATIONS_TABLE} WHERE success = TRUE"
+            )))
+            .fetch_one(pool)
+            .await
+            .unwrap_or(None);
+            Ok((applied, latest))
+        })
+    }
+
+    pub async fn close(&self) {
+        match &self.backend {
+            Backend::Sqlite(p) => p.close().await,
+            Backend::Postgres(p) => p.close().await,
+        }
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            sqlx::query("SELECT 1").execute(pool).await?;
+            Ok(())
+        })
+    }
+
+    // ---- operations -------------------------------------------------------------------------
+
+    /// Inserts a new operation, or returns the one already stored under its key.
+    pub async fn insert_operation(&self, op: &Operation, first: &Transition) -> Result<Inserted, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let mut tx = pool.begin_with(BEGIN).await?;
+            let done = sqlx::query(
+                "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+                 decision_type, spec, decision_request, state, idempotency_key, due_at, deadline, created_at, \
+                 updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $15) \
+                 ON CONFLICT (tenant, operation_key) DO NOTHING",
+            )
+            .bind(&op.id)
+            .bind(&op.tenant)
+            .bind(&op.operation_key)
+            .bind(&op.fingerprint)
+            .bind(&op.thread_id)
+            .bind(&op.interrupt_id)
+            .bind(&op.effect)
+            .bind(op.decision_type.as_str())
+            .bind(serde_json::to_string(&op.spec).expect("spec serializes"))
+            .bind(op.decision_request.to_string())
+            .bind(op.state.as_str())
+            .bind(&op.idempotency_key)
+            .bind(op.due_at)
+            .bind(op.deadline)
+            .bind(op.created_at)
+            .execute(&mut *tx)
+            .await?;
+            if done.rows_affected() == 0 {
+                let row = sqlx::query(concat!(
+                    "SELECT ",
+                    op_cols!(),
+                    " FROM operations WHERE tenant = $1 AND operation_key = $2"
+                ))
+                .bind(&op.tenant)
+                .bind(&op.operation_key)
+                .fetch_one(&mut *tx)
+                .await?;
+                tx.rollback().await?;
+                return Ok(Inserted::Existing(Box::new(Operation::from_row(&row)?)));
+            }
+            insert_transition!(tx, &op.id, first).await?;
+                notify_work!(PG, tx);
+            tx.commit().await?;
+            Ok(Inserted::Created)
+        })
+    }
+
+    pub async fn get_operation(
+        &self,
+        tenant: Option<&str>,
+        id: &str,
+    ) -> Result<Option<Operation>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let row = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE id = $1 AND ($2 IS NULL OR tenant = $2)"
+            ))
+            .bind(id)
+            .bind(tenant)
+            .fetch_optional(pool)
+            .await?;
+            row.as_ref().map(Operation::from_row).transpose()
+        })
+    }
+
+    pub async fn list_operations(&self, f: &OperationFilter) -> Result<Vec<Operation>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE ($1 IS NULL OR tenant = $1) AND ($2 IS NULL OR state = $2) \
+                  AND ($3 IS NULL OR thread_id = $3) ORDER BY created_at DESC, id DESC LIMIT $4"
+            ))
+            .bind(f.tenant.as_deref())
+            .bind(f.state.map(|s| s.as_str()))
+            .bind(f.thread_id.as_deref())
+            .bind(if f.limit > 0 { f.limit } else { 100 })
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(Operation::from_row).collect()
+        })
+    }
+
+    pub async fn transitions(&self, operation_id: &str) -> Result<Vec<Transition>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(
+                "SELECT from_state, to_state, at, cause, actor FROM transitions WHERE operation_id = $1 ORDER BY id",
+            )
+            .bind(operation_id)
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(Transition::from_row).collect()
+        })
+    }
+
+    pub async fn deliveries(&self, operation_id: &str) -> Result<Vec<DeliveryRecord>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(
+                "SELECT operation_id, attempt, started_at, duration_ms, status_code, error, response_body \
+                 FROM deliveries WHERE operation_id = $1 ORDER BY id",
+            )
+            .bind(operation_id)
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(DeliveryRecord::from_row).collect()
+        })
+    }
+
+    /// Writes every mutable column of `op` if nobody changed it since it was
+    /// read, with its new transitions and (optionally) the inbox row it
+    /// consumed, in one transaction. Returns false on a lost race.
+    pub async fn save(
+        &self,
+        op: &mut Operation,
+        transitions: &[Transition],
+        inbox: Option<(i64, &str, Option<&str>)>,
+    ) -> Result<bool, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let mut tx = pool.begin_with(BEGIN).await?;
+            let done = sqlx::query(
+                "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
+                 outcome_status = $6, result = $7, receipt = $8, receipt_outcome = $9, consume_inflight = $10, \
+                 consume_attempts = $11, delivery_inflight = $12, attempts = $13, last_error = $14, due_at = $15, \
+                 poll_at = $16, opened_at = $17, updated_at = $18, resume_seq = $21, version = version + 1 \
+                 WHERE id = $19 AND version = $20",
+            )
+            .bind(op.state.as_str())
+            .bind(&op.decision_id)
+            .bind(&op.answer)
+            .bind(&op.permit_id)
+            .bind(&op.delivery)
+            .bind(&op.outcome_status)
+            .bind(&op.result)
+            .bind(&op.receipt)
+            .bind(&op.receipt_outcome)
+            .bind(i64::from(op.consume_inflight))
+            .bind(op.consume_attempts)
+            .bind(i64::from(op.delivery_inflight))
+            .bind(op.attempts)
+            .bind(&op.last_error)
+            .bind(op.due_at)
+            .bind(op.poll_at)
+            .bind(op.opened_at)
+            .bind(op.updated_at)
+            .bind(&op.id)
+            .bind(op.version)
+            .bind(op.resume_seq)
+            .execute(&mut *tx)
+            .await?;
+            if done.rows_affected() == 0 {
+                tx.rollback().await?;
+                return Ok(false);
+            }
+            if op.resume_seq.is_some() && !op.unfinished() {
+                // The next answer of the thread, held back behind this one, may go.
+                sqlx::query(
+                    "UPDATE operations SET due_at = $3 WHERE id = ( \
+                       SELECT c.id FROM operations c WHERE c.tenant = $1 AND c.thread_id = $2 \
+                         AND c.resume_seq IS NOT NULL AND c.due_at IS NULL \
+                         AND (c.state IN ('answered', 'permitted', 'delivering') OR c.delivery = 'pending') \
+                       ORDER BY c.resume_seq LIMIT 1) \
+                     AND NOT EXISTS (SELECT 1 FROM operations e WHERE e.tenant = $1 AND e.thread_id = $2 \
+                       AND e.resume_seq IS NOT NULL AND e.due_at IS NOT NULL \
+                       AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending'))",
+                )
+                .bind(&op.tenant)
+                .bind(&op.thread_id)
+                .bind(op.updated_at)
+                .execute(&mut *tx)
+                .await?;
+            }
+            for t in transitions {
+                insert_transition!(tx, &op.id, t).await?;
+            }
+            if op.due_at.is_some() || op.resume_seq.is_some() {
+                notify_work!(PG, tx);
+            }
+            if let Some((inbox_id, state, note)) = inbox {
+                sqlx::query(
+                    "UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5",
+                )
+                .bind(state)
+                .bind(note)
+                .bind(&op.id)
+                .bind(op.updated_at)
+                .bind(inbox_id)
+                .execute(&mut *tx)
+                .await?;
+            }
+            tx.commit().await?;
+            op.version += 1;
+            Ok(true)
+        })
+    }
+
+    /// Whether an earlier answer of the thread still has resume work.
+    pub async fn earlier_answer_unfinished(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        seq: i64,
+    ) -> Result<bool, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM operations WHERE tenant = $1 AND thread_id = $2 \
+                 AND resume_seq IS NOT NULL AND resume_seq < $3 \
+                 AND (state IN ('answered', 'permitted', 'delivering') OR delivery = 'pending')",
+            )
+            .bind(tenant)
+            .bind(thread_id)
+            .bind(seq)
+            .fetch_one(pool)
+            .await?;
+            Ok(n > 0)
+        })
+    }
+
+    pub async fn record_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            sqlx::query(
+                "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, \
+                 response_body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(&d.operation_id)
+            .bind(d.attempt)
+            .bind(d.started_at)
+            .bind(d.duration_ms)
+            .bind(d.status_code)
+            .bind(&d.error)
+            .bind(&d.response_body)
+            .execute(pool)
+            .await?;
+            Ok(())
+        })
+    }
+
+    // ---- inbox ------------------------------------------------------------------------------
+
+    /// Commits a verified callback. One row per (tenant, correlation id):
+    /// a decision has one answer, so any later body for it is a duplicate.
+    pub async fn insert_inbox(&self, e: &NewInboxEntry<'_>) -> Result<InboxInsert, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let mut tx = pool.begin_with(BEGIN).await?;
+            let inserted: Option<i64> = sqlx::query_scalar(
+                "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
+                 received_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 'new', $8) \
+                 ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id",
+            )
+            .bind(e.tenant)
+            .bind(e.correlation_id)
+            .bind(e.answer)
+            .bind(e.answered_at)
+            .bind(e.body)
+            .bind(crate::domain::keys::sha256_hex(e.body))
+            .bind(e.source)
+            .bind(e.received_at)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let result = match inserted {
+                Some(id) => {
+                    notify_work!(PG, tx);
+                    InboxInsert::Stored(id)
+                }
+                None => {
+                    let id: i64 = sqlx::query_scalar(
+                        "UPDATE inbox SET duplicates = duplicates + 1, \
+                         state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
+                         WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
+                    )
+                    .bind(e.tenant)
+                    .bind(e.correlation_id)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                    InboxInsert::Duplicate(id)
+                }
+            };
+            tx.commit().await?;
+            Ok(result)
+        })
+    }
+
+    pub async fn list_inbox(&self, state: Option<&str>, limit: i64) -> Result<Vec<InboxEntry>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(concat!(
+                "SELECT ",
+                inbox_cols!(),
+                " FROM inbox WHERE ($1 IS NULL OR state = $1) ORDER BY id DESC LIMIT $2"
+            ))
+            .bind(state)
+            .bind(if limit > 0 { limit } else { 100 })
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(InboxEntry::from_row).collect()
+        })
+    }
+
+    pub async fn inbox_by_correlation(
+        &self,
+        tenant: &str,
+        correlation_id: &str,
+    ) -> Result<Option<InboxEntry>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let row = sqlx::query(concat!(
+                "SELECT ",
+                inbox_cols!(),
+                " FROM inbox WHERE tenant = $1 AND correlation_id = $2"
+            ))
+            .bind(tenant)
+            .bind(correlation_id)
+            .fetch_optional(pool)
+            .await?;
+            row.as_ref().map(InboxEntry::from_row).transpose()
+        })
+    }
+
+    pub async fn inbox_entry(&self, id: i64) -> Result<Option<(InboxEntry, Vec<u8>)>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let row = sqlx::query(concat!("SELECT ", inbox_cols!(), ", body FROM inbox WHERE id = $1"))
+                .bind(id)
+                .fetch_optional(pool)
+                .await?;
+            match row {
+                None => Ok(None),
+                Some(r) => Ok(Some((InboxEntry::from_row(&r)?, r.try_get("body")?))),
+            }
+        })
+    }
+
+    /// Marks callbacks that matched no operation for too long. They stay
+    /// in the inbox, visible; nothing is deleted.
+    pub async fn orphan_unmatched(&self, received_before: i64, now: i64) -> Result<u64, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let done = sqlx::query(
+                "UPDATE inbox SET state = 'orphaned', processed_at = $2, \
+                 note = 'no operation matched this decision in time' \
+                 WHERE state = 'new' AND received_at <= $1 AND NOT EXISTS (SELECT 1 FROM operations o \
+                   WHERE o.tenant = inbox.tenant AND o.decision_id = inbox.correlation_id)",
+            )
+            .bind(received_before)
+            .bind(now)
+            .execute(pool)
+            .await?;
+            Ok(done.rows_affected())
+        })
+    }
+
+    /// An orphan whose decision id is now known goes back to work.
+    pub async fn revive_orphan(&self, tenant: &str, correlation_id: &str) -> Result<(), StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            sqlx::query(
+                "UPDATE inbox SET state = 'new', note = 'revived: its operation now knows the decision id' \
+                 WHERE tenant = $1 AND correlation_id = $2 AND state = 'orphaned'",
+            )
+            .bind(tenant)
+            .bind(correlation_id)
+            .execute(pool)
+            .await?;
+            Ok(())
+        })
+    }
+
+    // ---- work selection and leases -----------------------------------------------------------
+
+    /// Threads with something to do now: a matched inbox entry, or an
+    /// operation whose `due_at` has come. Leased threads are skipped.
+    pub async fn threads_with_work(&self, now: i64, limit: i64) -> Result<Vec<(String, String)>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(
+                "SELECT tenant, thread_id FROM ( \
+                   SELECT o.tenant, o.thread_id, o.due_at AS t FROM operations o WHERE o.due_at <= $1 \
+                   UNION ALL \
+                   SELECT o.tenant, o.thread_id, i.received_at AS t FROM inbox i \
+                     JOIN operations o ON o.tenant = i.tenant AND o.decision_id = i.correlation_id \
+                     WHERE i.state = 'new') w \
+                 WHERE NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = w.tenant \
+                                   AND l.thread_id = w.thread_id AND l.until > $1) \
+                 GROUP BY tenant, thread_id ORDER BY MIN(t) LIMIT $2",
+            )
+            .bind(now)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(|r| Ok((r.try_get("tenant")?, r.try_get("thread_id")?))).collect()
+        })
+    }
+
+    /// Takes the thread if it is free or its lease has run out.
+    pub async fn acquire_lease(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        owner: &str,
+        now: i64,
+        until: i64,
+    ) -> Result<bool, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let got: Option<String> = sqlx::query_scalar(
+                "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ($1, $2, $3, $5) \
+                 ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until \
+                 WHERE thread_leases.until <= $4 OR thread_leases.owner = excluded.owner \
+                 RETURNING owner",
+            )
+            .bind(tenant)
+            .bind(thread_id)
+            .bind(owner)
+            .bind(now)
+            .bind(until)
+            .fetch_optional(pool)
+            .await?;
+            Ok(got.as_deref() == Some(owner))
+        })
+    }
+
+    /// Extends a lease we hold; false means it was lost to another worker.
+    pub async fn renew_lease(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        owner: &str,
+        until: i64,
+    ) -> Result<bool, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let done = sqlx::query(
+                "UPDATE thread_leases SET until = $4 WHERE tenant = $1 AND thread_id = $2 AND owner = $3",
+            )
+            .bind(tenant)
+            .bind(thread_id)
+            .bind(owner)
+            .bind(until)
+            .execute(pool)
+            .await?;
+            Ok(done.rows_affected() == 1)
+        })
+    }
+
+    pub async fn release_lease(&self, tenant: &str, thread_id: &str, owner: &str) -> Result<(), StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            sqlx::query("DELETE FROM thread_leases WHERE tenant = $1 AND thread_id = $2 AND owner = $3")
+                .bind(tenant)
+                .bind(thread_id)
+                .bind(owner)
+                .execute(pool)
+                .await?;
+            Ok(())
+        })
+    }
+
+    /// SQLite serves one node, so at start no other process can hold a
+    /// lease: whatever is there was left by a process that died.
+    pub async fn release_all_leases(&self) -> Result<u64, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            Ok(sqlx::query("DELETE FROM thread_leases").execute(pool).await?.rows_affected())
+        })
+    }
+
+    /// The thread's oldest unprocessed inbox entry that matches an operation.
+    pub async fn next_inbox_for_thread(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+    ) -> Result<Option<(InboxEntry, Operation)>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let row = sqlx::query(
+                "SELECT i.id FROM inbox i JOIN operations o ON o.tenant = i.tenant AND o.decision_id = i.correlation_id \
+                 WHERE i.state = 'new' AND o.tenant = $1 AND o.thread_id = $2 ORDER BY i.id LIMIT 1",
+            )
+            .bind(tenant)
+            .bind(thread_id)
+            .fetch_optional(pool)
+            .await?;
+            let Some(row) = row else { return Ok(None) };
+            let inbox_id: i64 = row.try_get("id")?;
+            let entry = sqlx::query(concat!("SELECT ", inbox_cols!(), " FROM inbox WHERE id = $1"))
+                .bind(inbox_id)
+                .fetch_one(pool)
+                .await?;
+            let entry = InboxEntry::from_row(&entry)?;
+            let op = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE tenant = $1 AND decision_id = $2"
+            ))
+            .bind(tenant)
+            .bind(&entry.correlation_id)
+            .fetch_one(pool)
+            .await?;
+            Ok(Some((entry, Operation::from_row(&op)?)))
+        })
+    }
+
+    pub async fn next_due_for_thread(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        now: i64,
+    ) -> Result<Option<Operation>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let row = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE tenant = $1 AND thread_id = $2 AND due_at <= $3 ORDER BY due_at, created_at LIMIT 1"
+            ))
+            .bind(tenant)
+            .bind(thread_id)
+            .bind(now)
+            .fetch_optional(pool)
+            .await?;
+            row.as_ref().map(Operation::from_row).transpose()
+        })
+    }
+
+    /// When the earliest scheduled step is due, so idle workers sleep until then.
+    pub async fn next_due_at(&self) -> Result<Option<i64>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            Ok(sqlx::query_scalar("SELECT MIN(due_at) FROM operations WHERE due_at IS NOT NULL")
+                .fetch_one(pool)
+                .await?)
+        })
+    }
+
+    /// Marks an inbox entry that changes nothing (its operation moved on).
+    pub async fn settle_inbox(
+        &self,
+        id: i64,
+        state: &str,
+        note: &str,
+        operation_id: Option<&str>,
+        at: i64,
+    ) -> Result<(), StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            sqlx::query(
+                "UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5",
+            )
+            .bind(state)
+            .bind(note)
+            .bind(operation_id)
+            .bind(at)
+            .bind(id)
+            .execute(pool)
+            .await?;
+            Ok(())
+        })
+    }
+
+    // ---- reconciler -------------------------------------------------------------------------
+
+    pub async fn pending_past_deadline(&self, now: i64, limit: i64) -> Result<Vec<Operation>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE state = 'pending' AND deadline <= $1 ORDER BY deadline LIMIT $2"
+            ))
+            .bind(now)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(Operation::from_row).collect()
+        })
+    }
+
+    pub async fn polls_due(&self, now: i64, limit: i64) -> Result<Vec<Operation>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE poll_at <= $1 AND state = 'pending' ORDER BY poll_at LIMIT $2"
+            ))
+            .bind(now)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(Operation::from_row).collect()
+        })
+    }
+
+    /// Counts for a summary: operations by state.
+    pub async fn count_by_state(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query("SELECT state, COUNT(*) AS n FROM operations GROUP BY state ORDER BY state")
+                .fetch_all(pool)
+                .await?;
+            rows.iter().map(|r| Ok((r.try_get("state")?, r.try_get("n")?))).collect()
+        })
+    }
+}
