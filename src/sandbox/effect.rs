@@ -29,6 +29,9 @@ pub(crate) struct EffectState {
     results: HashMap<String, Executed>,
     /// `(status, remaining)`: answer this many deliveries with this status.
     forced: Option<(u16, usize)>,
+    /// How long each delivery takes before it is answered, so tests can see
+    /// whether two executions overlap in time.
+    pub work: std::time::Duration,
 }
 
 struct Executed {
@@ -59,6 +62,9 @@ pub struct EffectDeliveryView {
     /// Executions for this key so far, this delivery included.
     pub executions: usize,
     pub error: Option<String>,
+    /// When the target began and finished handling it (Unix microseconds).
+    pub started_us: i64,
+    pub finished_us: i64,
 }
 
 impl EffectState {
@@ -86,7 +92,18 @@ pub(super) fn router() -> Router<Arc<Shared>> {
 }
 
 async fn receive(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    handle(&shared, None, &headers, &body)
+    let started = work(&shared).await;
+    handle(&shared, None, &headers, &body, started)
+}
+
+/// Spends the configured work time (outside the state lock); returns when it began.
+async fn work(shared: &Shared) -> i64 {
+    let started = Utc::now().timestamp_micros();
+    let work = shared.lock().effect.work;
+    if !work.is_zero() {
+        tokio::time::sleep(work).await;
+    }
+    started
 }
 
 async fn receive_named(
@@ -95,7 +112,8 @@ async fn receive_named(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    handle(&shared, Some(name), &headers, &body)
+    let started = work(&shared).await;
+    handle(&shared, Some(name), &headers, &body, started)
 }
 
 fn header(headers: &HeaderMap, name: &str) -> Option<String> {
@@ -119,7 +137,13 @@ fn check_signature(key: Option<&[u8]>, headers: &HeaderMap, body: &[u8]) -> Resu
         .map_err(|e| format!("signature rejected: {e:?}"))
 }
 
-fn handle(shared: &Shared, target: Option<String>, headers: &HeaderMap, raw: &[u8]) -> Response {
+fn handle(
+    shared: &Shared,
+    target: Option<String>,
+    headers: &HeaderMap,
+    raw: &[u8],
+    started_us: i64,
+) -> Response {
     let signature = check_signature(shared.effect_key.as_deref(), headers, raw);
     let idempotency_key = header(headers, "idempotency-key").filter(|k| !k.is_empty());
     let parsed: Option<Value> = serde_json::from_slice(raw).ok();
@@ -141,6 +165,8 @@ fn handle(shared: &Shared, target: Option<String>, headers: &HeaderMap, raw: &[u
             body: parsed.clone().unwrap_or_else(|| Value::String(String::from_utf8_lossy(raw).into_owned())),
             executions: 0,
             error: None,
+            started_us,
+            finished_us: Utc::now().timestamp_micros(),
         };
         // The forced status comes first: it stands for the application being
         // down, which happens before any checking.

@@ -391,6 +391,11 @@ impl SandboxHandle {
         self.shared.faults.lock().unwrap_or_else(|p| p.into_inner()).consume_delay = Some(delay);
     }
 
+    /// Each delivery to the example effect target takes this long.
+    pub fn set_effect_work(&self, work: Duration) {
+        self.shared.mutate(|s| s.effect.work = work);
+    }
+
     /// The next `count` deliveries are answered with `status` and not executed.
     pub fn set_effect_response(&self, status: u16, count: usize) {
         self.shared.mutate(|s| s.effect.set_override(status, count));

@@ -227,6 +227,29 @@ timeout_secs = 3
         }
     }
 
+    /// Starts one more `approvald serve` on `port` with the same config and
+    /// store (a replica), with extra environment overrides.
+    pub async fn spawn_replica(&self, port: u16, env: &[(&str, String)]) -> Child {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_approvald"));
+        cmd.args(["serve", "--config"]).arg(&self.config).stdout(Stdio::null()).stderr(Stdio::null());
+        cmd.env_remove("APPROVALD_FAULT")
+            .env("APPROVALD_SERVER__LISTEN", format!("127.0.0.1:{port}"))
+            .env("APPROVALD_SERVER__PUBLIC_URL", format!("http://127.0.0.1:{port}"));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("replica starts");
+        let start = Instant::now();
+        loop {
+            let ready = self.http.get(format!("http://127.0.0.1:{port}/readyz")).send().await;
+            if ready.is_ok_and(|r| r.status().is_success()) {
+                return child;
+            }
+            assert!(start.elapsed() < WAIT, "replica on {port} never became ready");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Runs `approvald` with the same config for a CLI command.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
         Command::new(env!("CARGO_BIN_EXE_approvald"))

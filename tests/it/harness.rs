@@ -103,6 +103,10 @@ pub async fn store_url(sqlite_path: &std::path::Path) -> (String, Option<PgDb>) 
 }
 pub const WAIT: Duration = Duration::from_secs(15);
 
+/// Held by the tests that load the machine (soak, replicas), so that on two
+/// cores no two of them compete; light tests still run beside them.
+pub static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[derive(Clone, Default)]
 pub struct Options {
     pub require_reachable: bool,

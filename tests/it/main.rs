@@ -37,5 +37,6 @@ mod faults;
 mod harness;
 mod outcomes;
 mod reconciler;
+mod replicas;
 mod soak;
 mod vectors;

@@ -118,6 +118,7 @@ async fn restart(d: &mut Daemon, rng: &mut impl Rng) {
 
 both_engines! {
 async fn soak_thousands_of_operations_with_duplicates_drops_and_kills() {
+    let _heavy = crate::harness::HEAVY.lock().await;
     let n: usize = std::env::var("APPROVALD_SOAK_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
     let mut rng = rand::rng();
     let mut d = Daemon::new("").await;
