@@ -238,14 +238,18 @@ timeout_secs = 3
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd.spawn().expect("replica starts");
+        let mut child = cmd.spawn().expect("replica starts");
         let start = Instant::now();
         loop {
             let ready = self.http.get(format!("http://127.0.0.1:{port}/readyz")).send().await;
             if ready.is_ok_and(|r| r.status().is_success()) {
                 return child;
             }
-            assert!(start.elapsed() < WAIT, "replica on {port} never became ready");
+            if start.elapsed() > WAIT {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("replica on {port} never became ready");
+            }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
