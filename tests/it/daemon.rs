@@ -229,6 +229,8 @@ timeout_secs = 3
 
     /// Starts one more `approvald serve` on `port` with the same config and
     /// store (a replica), with extra environment overrides.
+    // The child is handed to the caller, who kills and waits on it.
+    #[allow(clippy::zombie_processes)]
     pub async fn spawn_replica(&self, port: u16, env: &[(&str, String)]) -> Child {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_approvald"));
         cmd.args(["serve", "--config"]).arg(&self.config).stdout(Stdio::null()).stderr(Stdio::null());
