@@ -93,6 +93,7 @@ pub struct OperationsConfig {
 pub struct WorkerConfig {
     pub concurrency: usize,
     pub lease_secs: u64,
+    pub idle_poll_secs: u64,
     pub retry_initial_ms: u64,
     pub retry_max_secs: u64,
     pub rejection_delivery_window_secs: u64,
@@ -253,6 +254,9 @@ impl Config {
         let w = &self.worker;
         if w.concurrency == 0 {
             return Err(invalid("worker.concurrency", "must be at least 1"));
+        }
+        if w.idle_poll_secs == 0 {
+            return Err(invalid("worker.idle_poll_secs", "must be at least 1"));
         }
         if w.lease_secs < 2 {
             return Err(invalid("worker.lease_secs", "must be at least 2"));

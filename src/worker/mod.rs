@@ -51,7 +51,7 @@ impl EngineSettings {
             orphan_after_ms: secs_ms(c.reconciler.orphan_after_secs),
             reconcile_every: Duration::from_secs(c.reconciler.interval_secs),
             concurrency: c.worker.concurrency,
-            idle_poll: Duration::from_secs(5),
+            idle_poll: Duration::from_secs(c.worker.idle_poll_secs),
         }
     }
 }

@@ -38,5 +38,6 @@ mod harness;
 mod outcomes;
 mod reconciler;
 mod replicas;
+mod scaleout;
 mod soak;
 mod vectors;
