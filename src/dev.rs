@@ -67,6 +67,33 @@ pub async fn run(opts: DevOptions) -> anyhow::Result<()> {
     app.run_until(shutdown).await
 }
 
+/// `approvald sandbox`: the sandbox alone, until Ctrl-C or SIGTERM.
+pub async fn run_sandbox(listen: std::net::SocketAddr, public_url: Option<String>) -> anyhow::Result<()> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let mut config = SandboxConfig { public_url, ..SandboxConfig::default() };
+    let mut generated = Vec::new();
+    match env("APPROVALD_SANDBOX_API_KEY") {
+        Some(k) => config.api_key = k,
+        None => generated.push(("api key", config.api_key.clone())),
+    }
+    match env("APPROVALD_SANDBOX_WEBHOOK_SECRET") {
+        Some(s) => config.webhook_secret = s,
+        None => generated.push(("webhook secret", config.webhook_secret.clone())),
+    }
+    config.effect_secret = env("APPROVALD_SANDBOX_EFFECT_SECRET");
+    let shutdown = shutdown_on_signal();
+    let listener =
+        TcpListener::bind(listen).await.with_context(|| format!("binding the sandbox to {listen}"))?;
+    let sb = sandbox::start(listener, config, shutdown.clone()).await?;
+    println!("Pushary sandbox: page {}  API {}", sb.page_url(), sb.base_url());
+    // Generated credentials are a dev sandbox's own, printed so they can be used.
+    for (what, value) in generated {
+        println!("  generated {what}: {value}");
+    }
+    shutdown.cancelled().await;
+    Ok(())
+}
+
 fn banner(addr: &str, page: &str, db: &str) -> String {
     format!(
         r#"

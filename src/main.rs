@@ -46,6 +46,18 @@ enum Command {
         #[arg(long, default_value = "approvald-dev.db")]
         db: PathBuf,
     },
+    /// Run only the Pushary sandbox (a local Pushary with its page and an
+    /// example effect target), e.g. beside approvald replicas. Credentials
+    /// come from APPROVALD_SANDBOX_API_KEY, APPROVALD_SANDBOX_WEBHOOK_SECRET and
+    /// APPROVALD_SANDBOX_EFFECT_SECRET, or are generated and printed.
+    Sandbox {
+        /// Address to serve on.
+        #[arg(long, default_value = "127.0.0.1:8090")]
+        listen: std::net::SocketAddr,
+        /// The URL browsers and clients use to reach it (links on the page).
+        #[arg(long)]
+        public_url: Option<String>,
+    },
     /// Create or upgrade the store's schema (safe to run again).
     Migrate(ConfigArg),
     /// Inspect operations, and resolve the uncertain ones.
@@ -154,6 +166,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dev { port, sandbox_port, db } => {
             init_logging("pretty", "info");
             approvald::dev::run(approvald::dev::DevOptions { port, sandbox_port, db }).await
+        }
+        Command::Sandbox { listen, public_url } => {
+            init_logging("pretty", "info");
+            approvald::dev::run_sandbox(listen, public_url).await
         }
         Command::Migrate(c) => {
             let config = Config::load(c.config.as_deref())?;

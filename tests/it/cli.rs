@@ -58,3 +58,33 @@ fn migrate_twice_then_ops_list_and_show() {
     let out = run(&["ops", "list", "--state", "bogus"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("--state"));
 }
+
+#[tokio::test]
+async fn the_sandbox_runs_alone_with_the_credentials_it_is_given() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+    let mut child = approvald()
+        .args(["sandbox", "--listen", &format!("127.0.0.1:{port}")])
+        .env("APPROVALD_SANDBOX_API_KEY", "pk_sandbox.given")
+        .env("APPROVALD_SANDBOX_WEBHOOK_SECRET", "whsec_given")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("runs");
+    let http = approvald::http::client_builder().build().expect("client");
+    let start = std::time::Instant::now();
+    let secret = loop {
+        let got = http
+            .get(format!("http://127.0.0.1:{port}/api/v1/server/webhook-secret"))
+            .bearer_auth("pk_sandbox.given")
+            .send()
+            .await;
+        if let Ok(r) = got {
+            break r.json::<serde_json::Value>().await.expect("json")["secret"].clone();
+        }
+        assert!(start.elapsed() < crate::harness::WAIT, "the sandbox never answered");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(secret, "whsec_given");
+}
