@@ -15,7 +15,7 @@ use crate::api::{self, AppState};
 use crate::config::Config;
 use crate::pushary::PusharyClient;
 use crate::store::Store;
-use crate::worker::{EffectTarget, Engine, EngineSettings};
+use crate::worker::{EffectTarget, Engine, EngineSettings, TenantRuntime};
 
 /// What one process does; replicas can split the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -65,35 +65,42 @@ impl Application {
         store: Store,
         settings: impl FnOnce(&Config) -> EngineSettings,
     ) -> anyhow::Result<Self> {
-        let api_key = config.pushary.api_key.clone().context("pushary.api_key is required")?;
-        let pushary = PusharyClient::new(&config.pushary.base_url, api_key, config.pushary_timeout())
-            .map_err(|e| anyhow::anyhow!("pushary client: {e}"))?;
-        let mut effects = HashMap::new();
-        for (name, e) in &config.effects {
-            let secret = e.secret.as_ref().context("effect secret validated at load")?;
-            let key = crate::webhooks::decode_secret(secret.expose())
-                .map_err(|p| anyhow::anyhow!("{name}: {p}"))?;
-            effects.insert(
-                name.clone(),
-                EffectTarget {
-                    url: e.url.clone(),
-                    keys: vec![key],
-                    timeout: Duration::from_secs(e.timeout_secs),
-                    redeliver_safe: e.redeliver_safe,
-                },
-            );
+        let mut tenants = HashMap::new();
+        let mut tokens = Vec::new();
+        let mut webhook_secrets = HashMap::new();
+        for t in config.tenants() {
+            let pushary =
+                PusharyClient::new(&config.pushary.base_url, t.api_key.clone(), config.pushary_timeout())
+                    .map_err(|e| anyhow::anyhow!("tenant {}: pushary client: {e}", t.name))?;
+            let mut effects = HashMap::new();
+            for (name, e) in &t.effects {
+                let secret = e.secret.as_ref().context("effect secret validated at load")?;
+                let key = crate::webhooks::decode_secret(secret.expose())
+                    .map_err(|p| anyhow::anyhow!("{}: {name}: {p}", t.name))?;
+                effects.insert(
+                    name.clone(),
+                    EffectTarget {
+                        url: e.url.clone(),
+                        keys: vec![key],
+                        timeout: Duration::from_secs(e.timeout_secs),
+                        redeliver_safe: e.redeliver_safe,
+                    },
+                );
+            }
+            if t.webhook_secrets.is_empty() {
+                tracing::warn!(tenant = %t.name, "no webhook secrets configured: every callback will be rejected");
+            }
+            if t.tokens.is_empty() {
+                tracing::warn!(tenant = %t.name, "no api tokens configured: the operations API refuses it");
+            }
+            tokens.extend(t.tokens.iter().map(|tok| (tok.clone(), t.name.clone())));
+            webhook_secrets.insert(t.name.clone(), t.webhook_secrets.clone());
+            tenants.insert(t.name.clone(), TenantRuntime { pushary, effects });
         }
-        if config.pushary.webhook_secrets.is_empty() {
-            tracing::warn!("no pushary.webhook_secrets configured: every callback will be rejected");
-        }
-        if config.api.tokens.is_empty() {
-            tracing::warn!("no api.tokens configured: the operations API refuses every request");
-        }
-        let engine =
-            Arc::new(Engine::new(store, pushary, effects, settings(&config), Arc::new(Notify::new())));
+        let engine = Arc::new(Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())));
         let state = AppState {
-            tokens: Arc::new(config.api.tokens.clone()),
-            webhook_secrets: Arc::new(config.pushary.webhook_secrets.clone()),
+            tokens: Arc::new(tokens),
+            webhook_secrets: Arc::new(webhook_secrets),
             config: Arc::new(config),
             engine: Arc::clone(&engine),
         };

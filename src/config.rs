@@ -40,7 +40,40 @@ pub struct Config {
     pub log: LogConfig,
     #[serde(default)]
     pub effects: BTreeMap<String, EffectConfig>,
+    /// Named tenants, each with its own Pushary account, tokens and effect
+    /// targets. The top-level `[api]`/`[pushary]`/`[effects]` settings form
+    /// the tenant `default` when `pushary.api_key` is set.
+    #[serde(default)]
+    pub tenants: BTreeMap<String, TenantConfig>,
 }
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub tokens: Vec<Secret>,
+    pub tokens_file: Option<PathBuf>,
+    pub pushary_api_key: Option<Secret>,
+    pub pushary_api_key_file: Option<PathBuf>,
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub webhook_secrets: Vec<Secret>,
+    pub webhook_secrets_file: Option<PathBuf>,
+    #[serde(default)]
+    pub effects: BTreeMap<String, EffectConfig>,
+}
+
+/// One tenant, resolved from config: everything is its own.
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    pub name: String,
+    pub tokens: Vec<Secret>,
+    pub api_key: Secret,
+    pub webhook_secrets: Vec<Secret>,
+    pub effects: BTreeMap<String, EffectConfig>,
+}
+
+/// The tenant of the top-level settings.
+pub const DEFAULT_TENANT: &str = "default";
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -194,6 +227,27 @@ impl Config {
                 effect.secret = read_lines(&format!("effects.{name}.secret_file"), path)?.into_iter().next();
             }
         }
+        for (t, tenant) in &mut self.tenants {
+            if let Some(path) = &tenant.tokens_file {
+                tenant.tokens.extend(read_lines(&format!("tenants.{t}.tokens_file"), path)?);
+            }
+            if let Some(path) = &tenant.pushary_api_key_file {
+                tenant.pushary_api_key =
+                    read_lines(&format!("tenants.{t}.pushary_api_key_file"), path)?.into_iter().next();
+            }
+            if let Some(path) = &tenant.webhook_secrets_file {
+                tenant
+                    .webhook_secrets
+                    .extend(read_lines(&format!("tenants.{t}.webhook_secrets_file"), path)?);
+            }
+            for (name, effect) in &mut tenant.effects {
+                if let Some(path) = &effect.secret_file {
+                    effect.secret = read_lines(&format!("tenants.{t}.effects.{name}.secret_file"), path)?
+                        .into_iter()
+                        .next();
+                }
+            }
+        }
         Ok(())
     }
 
@@ -230,8 +284,48 @@ impl Config {
             return Err(invalid("pushary.base_url", "must be an http or https URL"));
         }
         match &self.pushary.api_key {
-            None => return Err(invalid("pushary.api_key", "is required (or pushary.api_key_file)")),
+            None if self.tenants.is_empty() => {
+                return Err(invalid(
+                    "pushary.api_key",
+                    "is required (or pushary.api_key_file, or [tenants.*])",
+                ));
+            }
+            None => {}
             Some(k) => validate_api_key(k.expose()).map_err(|p| invalid("pushary.api_key", p))?,
+        }
+        for (t, tenant) in &self.tenants {
+            crate::domain::operation::validate_name(t)
+                .map_err(|p| invalid(format!("tenants.{t}"), format!("bad tenant name: {p}")))?;
+            if t == DEFAULT_TENANT {
+                return Err(invalid(format!("tenants.{t}"), "`default` is the top-level settings' tenant"));
+            }
+            match &tenant.pushary_api_key {
+                None => return Err(invalid(format!("tenants.{t}.pushary_api_key"), "is required")),
+                Some(k) => validate_api_key(k.expose())
+                    .map_err(|p| invalid(format!("tenants.{t}.pushary_api_key"), p))?,
+            }
+            for (i, tok) in tenant.tokens.iter().enumerate() {
+                if tok.expose().len() < 16 {
+                    return Err(invalid(
+                        format!("tenants.{t}.tokens[{i}]"),
+                        "must be at least 16 characters",
+                    ));
+                }
+            }
+            for (name, effect) in &tenant.effects {
+                validate_effect(&format!("tenants.{t}.effects.{name}"), name, effect)?;
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        for t in self.tenants() {
+            for tok in &t.tokens {
+                if !seen.insert(tok.expose().to_string()) {
+                    return Err(invalid(
+                        format!("tenants.{}.tokens", t.name),
+                        "a token may belong to one tenant only",
+                    ));
+                }
+            }
         }
         for (i, s) in self.pushary.webhook_secrets.iter().enumerate() {
             if s.is_empty() {
@@ -280,23 +374,45 @@ impl Config {
             return Err(invalid("log.format", "must be \"pretty\" or \"json\""));
         }
         for (name, effect) in &self.effects {
-            crate::domain::operation::validate_name(name)
-                .map_err(|p| invalid(format!("effects.{name}"), format!("bad target name: {p}")))?;
-            let u = url::Url::parse(&effect.url)
-                .map_err(|e| invalid(format!("effects.{name}.url"), format!("not a URL: {e}")))?;
-            if !matches!(u.scheme(), "http" | "https") {
-                return Err(invalid(format!("effects.{name}.url"), "must be an http or https URL"));
-            }
-            match &effect.secret {
-                None => return Err(invalid(format!("effects.{name}.secret"), "is required")),
-                Some(s) => crate::webhooks::decode_secret(s.expose())
-                    .map_err(|p| invalid(format!("effects.{name}.secret"), p))?,
-            };
-            if effect.timeout_secs == 0 {
-                return Err(invalid(format!("effects.{name}.timeout_secs"), "must be at least 1"));
-            }
+            validate_effect(&format!("effects.{name}"), name, effect)?;
         }
         Ok(())
+    }
+
+    /// Every tenant: `default` from the top-level settings (when it has an
+    /// API key), then the named ones.
+    pub fn tenants(&self) -> Vec<Tenant> {
+        let mut out = Vec::new();
+        if let Some(key) = &self.pushary.api_key {
+            out.push(Tenant {
+                name: DEFAULT_TENANT.into(),
+                tokens: self.api.tokens.clone(),
+                api_key: key.clone(),
+                webhook_secrets: self.pushary.webhook_secrets.clone(),
+                effects: self.effects.clone(),
+            });
+        }
+        for (name, t) in &self.tenants {
+            if let Some(key) = &t.pushary_api_key {
+                out.push(Tenant {
+                    name: name.clone(),
+                    tokens: t.tokens.clone(),
+                    api_key: key.clone(),
+                    webhook_secrets: t.webhook_secrets.clone(),
+                    effects: t.effects.clone(),
+                });
+            }
+        }
+        out
+    }
+
+    /// Where Pushary sends a tenant's callbacks.
+    pub fn callback_url_for(&self, tenant: &str) -> String {
+        if tenant == DEFAULT_TENANT {
+            self.callback_url()
+        } else {
+            format!("{}/{tenant}", self.callback_url())
+        }
     }
 
     pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
@@ -313,6 +429,26 @@ impl Config {
     pub fn pushary_timeout(&self) -> Duration {
         Duration::from_secs(self.pushary.timeout_secs)
     }
+}
+
+fn validate_effect(key: &str, name: &str, effect: &EffectConfig) -> Result<(), ConfigError> {
+    crate::domain::operation::validate_name(name)
+        .map_err(|p| invalid(key, format!("bad target name: {p}")))?;
+    let u =
+        url::Url::parse(&effect.url).map_err(|e| invalid(format!("{key}.url"), format!("not a URL: {e}")))?;
+    if !matches!(u.scheme(), "http" | "https") {
+        return Err(invalid(format!("{key}.url"), "must be an http or https URL"));
+    }
+    match &effect.secret {
+        None => return Err(invalid(format!("{key}.secret"), "is required")),
+        Some(s) => {
+            crate::webhooks::decode_secret(s.expose()).map_err(|p| invalid(format!("{key}.secret"), p))?
+        }
+    };
+    if effect.timeout_secs == 0 {
+        return Err(invalid(format!("{key}.timeout_secs"), "must be at least 1"));
+    }
+    Ok(())
 }
 
 /// The SDK refuses a key without a `.` before any request; so do we.

@@ -5,7 +5,7 @@
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use serde_json::{Value, json};
 
@@ -18,18 +18,41 @@ use crate::store::{InboxInsert, NewInboxEntry};
 pub const SIGNATURE_HEADER: &str = "x-pushary-signature";
 const MAX_CORRELATION_ID: usize = 256;
 
-pub(super) async fn receive(
+/// `/v1/callbacks/pushary`: the default tenant's callbacks.
+pub(super) async fn receive_default(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
+    receive(state, DEFAULT_TENANT.to_string(), headers, body).await
+}
+
+/// `/v1/callbacks/pushary/{tenant}`: verified with that tenant's secrets only.
+pub(super) async fn receive_tenant(
+    State(state): State<AppState>,
+    Path(tenant): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    receive(state, tenant, headers, body).await
+}
+
+async fn receive(
+    state: AppState,
+    tenant: String,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
+    let Some(secrets) = state.webhook_secrets.get(&tenant) else {
+        return Err(ApiError::NotFound { detail: "no such callback route".into() });
+    };
     let bytes = read_body(body, state.config.server.max_callback_bytes).await?;
     let sig = headers
         .get(SIGNATURE_HEADER)
         .ok_or(ApiError::Unauthorized { detail: "missing X-Pushary-Signature" })?
         .to_str()
         .map_err(|_| ApiError::Unauthorized { detail: "the signature does not verify" })?;
-    if !signature::verify(state.webhook_secrets.iter().map(|s| s.expose()), &bytes, sig) {
+    if !signature::verify(secrets.iter().map(|s| s.expose()), &bytes, sig) {
         tracing::warn!(bytes = bytes.len(), "callback rejected: signature does not verify");
         return Err(ApiError::Unauthorized { detail: "the signature does not verify" });
     }
@@ -51,7 +74,7 @@ pub(super) async fn receive(
         .engine
         .store()
         .insert_inbox(&NewInboxEntry {
-            tenant: DEFAULT_TENANT,
+            tenant: &tenant,
             correlation_id,
             answer,
             answered_at,
@@ -64,7 +87,7 @@ pub(super) async fn receive(
     crate::fault::point("after_inbox_commit");
     match inserted {
         InboxInsert::Stored(id) => {
-            tracing::info!(correlation_id, inbox_id = id, "callback stored");
+            tracing::info!(tenant, correlation_id, inbox_id = id, "callback stored");
             state.engine.wake();
             Ok(Json(json!({"status": "stored"})))
         }

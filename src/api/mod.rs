@@ -23,15 +23,16 @@ use crate::error::ApiError;
 use crate::secret::Secret;
 use crate::worker::Engine;
 
-/// The tenant of a configuration without tenants.
-pub const DEFAULT_TENANT: &str = "default";
+pub use crate::config::DEFAULT_TENANT;
 
 #[derive(Clone)]
 pub struct AppState {
     pub config: Arc<Config>,
     pub engine: Arc<Engine>,
-    pub tokens: Arc<Vec<Secret>>,
-    pub webhook_secrets: Arc<Vec<Secret>>,
+    /// Every API token with the tenant it belongs to.
+    pub tokens: Arc<Vec<(Secret, String)>>,
+    /// Each tenant's webhook secrets.
+    pub webhook_secrets: Arc<std::collections::HashMap<String, Vec<Secret>>>,
 }
 
 pub fn router(state: AppState, role: Role) -> Router {
@@ -45,7 +46,9 @@ pub fn router(state: AppState, role: Role) -> Router {
             .route("/v1/inbox/{id}", get(operator::inbox_show));
     }
     if matches!(role, Role::All | Role::Receiver) {
-        router = router.route("/v1/callbacks/pushary", post(callbacks::receive));
+        router = router
+            .route("/v1/callbacks/pushary", post(callbacks::receive_default))
+            .route("/v1/callbacks/pushary/{tenant}", post(callbacks::receive_tenant));
     }
     router
         .route("/healthz", get(|| async { axum::Json(json!({"status": "ok"})) }))
@@ -88,17 +91,20 @@ async fn ready(axum::extract::State(state): axum::extract::State<AppState>) -> i
 
 /// Checks `Authorization: Bearer <token>` against the configured tokens in
 /// constant time per token.
-pub(crate) fn authorize(state: &AppState, headers: &HeaderMap) -> Result<&'static str, ApiError> {
+pub(crate) fn authorize<'s>(state: &'s AppState, headers: &HeaderMap) -> Result<&'s str, ApiError> {
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .ok_or(ApiError::Unauthorized { detail: "send Authorization: Bearer <api token>" })?;
-    let mut ok = false;
-    for token in state.tokens.iter() {
-        ok |= constant_time_eq(token.expose().as_bytes(), given.as_bytes());
+    // Every token is compared, so timing does not reveal which one matched.
+    let mut tenant = None;
+    for (token, t) in state.tokens.iter() {
+        if constant_time_eq(token.expose().as_bytes(), given.as_bytes()) {
+            tenant = Some(t.as_str());
+        }
     }
-    if ok { Ok(DEFAULT_TENANT) } else { Err(ApiError::Unauthorized { detail: "the api token is not valid" }) }
+    tenant.ok_or(ApiError::Unauthorized { detail: "the api token is not valid" })
 }
 
 pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

@@ -28,7 +28,7 @@ pub(super) async fn enqueue(
     let now = now_ms();
     let limits = Limits { max_expires_in_secs: state.config.operations.max_expires_in_secs };
     let spec = operation::parse(&value, limits, now).map_err(ApiError::Validation)?;
-    if !state.engine.effects.contains_key(&spec.effect) {
+    if !state.engine.has_effect(tenant, &spec.effect) {
         return Err(ApiError::Validation(FieldError {
             field: "effect".into(),
             code: "unknown_effect",
@@ -76,7 +76,7 @@ fn new_operation(state: &AppState, tenant: &str, spec: OperationSpec, now: i64) 
         req.insert("options".into(), json!(o));
     }
     req.insert("externalId".into(), json!(spec.external_id));
-    req.insert("callbackUrl".into(), json!(state.config.callback_url()));
+    req.insert("callbackUrl".into(), json!(state.config.callback_url_for(tenant)));
     req.insert(
         "idempotencyKey".into(),
         json!(deterministic_key(&["approvald", tenant, &spec.operation_key, &fingerprint])),

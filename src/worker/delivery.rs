@@ -72,7 +72,7 @@ pub fn outcome_body(op: &Operation) -> Value {
 impl Engine {
     /// One delivery attempt, recorded in `deliveries` whatever its result.
     pub(crate) async fn post_outcome(&self, op: &Operation) -> Result<Outcome, StoreError> {
-        let Some(target) = self.effects.get(&op.effect) else {
+        let Some(target) = self.effect(&op.tenant, &op.effect) else {
             // The target was removed from config after enqueue; an operator must act.
             return Ok(Outcome::Retry(format!("effect target `{}` is not configured", op.effect)));
         };

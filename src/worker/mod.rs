@@ -60,10 +60,15 @@ fn secs_ms(s: u64) -> i64 {
     i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX)
 }
 
+/// What the engine holds for one tenant: its Pushary account and targets.
+pub struct TenantRuntime {
+    pub pushary: PusharyClient,
+    pub effects: HashMap<String, EffectTarget>,
+}
+
 pub struct Engine {
     pub(crate) store: Store,
-    pub(crate) pushary: PusharyClient,
-    pub(crate) effects: HashMap<String, EffectTarget>,
+    pub(crate) tenants: HashMap<String, TenantRuntime>,
     pub(crate) http: reqwest::Client,
     pub(crate) settings: EngineSettings,
     pub(crate) wake: Arc<Notify>,
@@ -74,8 +79,7 @@ pub struct Engine {
 impl Engine {
     pub fn new(
         store: Store,
-        pushary: PusharyClient,
-        effects: HashMap<String, EffectTarget>,
+        tenants: HashMap<String, TenantRuntime>,
         settings: EngineSettings,
         wake: Arc<Notify>,
     ) -> Self {
@@ -84,7 +88,23 @@ impl Engine {
             .build()
             .expect("an HTTP client with default TLS builds");
         let owner = format!("{}-{:08x}", std::process::id(), rand::random::<u32>());
-        Self { store, pushary, effects, http, settings, wake, owner, next_owner: AtomicU64::new(0) }
+        Self { store, tenants, http, settings, wake, owner, next_owner: AtomicU64::new(0) }
+    }
+
+    /// The tenant's Pushary client. A tenant removed from config since its
+    /// operations were enqueued reads as unreachable: retried, never permission.
+    pub(crate) fn pushary(&self, tenant: &str) -> Result<&PusharyClient, crate::pushary::PusharyError> {
+        self.tenants.get(tenant).map(|t| &t.pushary).ok_or_else(|| {
+            crate::pushary::PusharyError::Transport(format!("tenant `{tenant}` is not configured"))
+        })
+    }
+
+    pub(crate) fn effect(&self, tenant: &str, name: &str) -> Option<&EffectTarget> {
+        self.tenants.get(tenant).and_then(|t| t.effects.get(name))
+    }
+
+    pub fn has_effect(&self, tenant: &str, name: &str) -> bool {
+        self.effect(tenant, name).is_some()
     }
 
     pub fn store(&self) -> &Store {

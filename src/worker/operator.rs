@@ -31,7 +31,11 @@ impl Engine {
                 State::Enqueued => {}
                 State::Pending => {
                     let decision = op.decision_id.clone().unwrap_or_default();
-                    match self.pushary.cancel_decision(&decision).await {
+                    let cancelled = match self.pushary(&op.tenant) {
+                        Ok(p) => p.cancel_decision(&decision).await,
+                        Err(e) => Err(e),
+                    };
+                    match cancelled {
                         Ok(resp) => {
                             let cancelled = resp.get("cancelled").and_then(serde_json::Value::as_bool);
                             let status = resp.get("status").and_then(serde_json::Value::as_str);

@@ -83,7 +83,11 @@ impl Engine {
     async fn expire(&self, mut op: Operation) -> Result<bool, StoreError> {
         let mut cause = "the local deadline passed without an answer".to_string();
         if let Some(id) = op.decision_id.clone() {
-            match self.pushary.cancel_decision(&id).await {
+            let cancelled = match self.pushary(&op.tenant) {
+                Ok(p) => p.cancel_decision(&id).await,
+                Err(e) => Err(e),
+            };
+            match cancelled {
                 Ok(_) => cause.push_str("; decision cancelled at Pushary"),
                 Err(e) if e.is_retryable() => {
                     // Still expire: the effect must never run after the
@@ -102,7 +106,11 @@ impl Engine {
     async fn poll(&self, mut op: Operation) -> Result<Polled, StoreError> {
         let Some(id) = op.decision_id.clone() else { return Ok(Polled::Nothing) };
         let next_poll = now_ms() + self.settings.poll_after_ms;
-        match self.pushary.get_decision(&id, None).await {
+        let polled = match self.pushary(&op.tenant) {
+            Ok(p) => p.get_decision(&id, None).await,
+            Err(e) => Err(e),
+        };
+        match polled {
             Ok(d) if d.status == "answered" => {
                 let answer = d.value.unwrap_or_default();
                 // Shaped like a callback body so the inbox holds one kind of record.

@@ -125,7 +125,11 @@ impl Engine {
             self.store.save(&mut op, &[t], None).await?;
             return Ok(());
         }
-        match self.pushary.create_decision(&op.decision_request).await {
+        let created = match self.pushary(&op.tenant) {
+            Ok(p) => p.create_decision(&op.decision_request).await,
+            Err(e) => Err(e),
+        };
+        match created {
             Ok(created) => {
                 op.decision_id = Some(created.decision_id.clone());
                 op.opened_at = Some(now_ms());
@@ -206,7 +210,10 @@ impl Engine {
             return Ok(());
         }
         crate::fault::point("after_consume_inflight_recorded");
-        let result = self.pushary.consume(&consume_body(&op)).await;
+        let result = match self.pushary(&op.tenant) {
+            Ok(p) => p.consume(&consume_body(&op)).await,
+            Err(e) => Err(e),
+        };
         crate::fault::point("after_consume_returned");
         match result {
             Ok(permit) => {
@@ -275,7 +282,7 @@ impl Engine {
         if op.delivery_inflight && approval {
             // A process died mid-delivery: the effect may have run. Only a
             // target that deduplicates on the idempotency key may see it again.
-            let safe = self.effects.get(&op.effect).is_some_and(|t| t.redeliver_safe);
+            let safe = self.effect(&op.tenant, &op.effect).is_some_and(|t| t.redeliver_safe);
             if !safe {
                 return self
                     .uncertain(op, "a delivery attempt was interrupted; the effect may have run")
@@ -394,7 +401,11 @@ impl Engine {
         };
         crate::fault::point("before_receipt");
         let summary = format!("approvald operation {} ended {}", op.id, op.state);
-        match self.pushary.record_receipt(&permit, &outcome, Some(&summary)).await {
+        let recorded = match self.pushary(&op.tenant) {
+            Ok(p) => p.record_receipt(&permit, &outcome, Some(&summary)).await,
+            Err(e) => Err(e),
+        };
+        match recorded {
             Ok(_) => {
                 op.receipt = Some("recorded".into());
                 op.last_error = None;

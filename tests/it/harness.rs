@@ -199,7 +199,18 @@ impl TestApp {
             busy = opts.store_busy_ms.unwrap_or(5000),
             orphan = opts.orphan_after_secs.unwrap_or(3600),
             effect = sandbox.effect_url(),
-            extra = opts.extra_toml,
+            extra = opts.extra_toml.replace(
+                "__ACME__",
+                &format!(
+                    "[tenants.acme]\ntokens = [\"acme-token-0123456789\"]\npushary_api_key = \"{}\"\n\
+                     webhook_secrets = [\"{}\", \"whsec_acme_only\"]\n\
+                     [tenants.acme.effects.acme-orders]\nurl = \"{}\"\nsecret = \"{}\"\n",
+                    sandbox.api_key(),
+                    sandbox.webhook_secret(),
+                    sandbox.effect_url(),
+                    effect_secret
+                )
+            ),
         );
         let config = Config::from_toml(&toml).expect("test config is valid");
         let manual = opts.manual;

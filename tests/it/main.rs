@@ -40,4 +40,5 @@ mod reconciler;
 mod replicas;
 mod scaleout;
 mod soak;
+mod tenants;
 mod vectors;
