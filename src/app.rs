@@ -99,6 +99,7 @@ impl Application {
         }
         let engine = Arc::new(Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())));
         let state = AppState {
+            callback_slots: Arc::new(tokio::sync::Semaphore::new(config.server.max_concurrent_callbacks)),
             tokens: Arc::new(tokens),
             webhook_secrets: Arc::new(webhook_secrets),
             config: Arc::new(config),

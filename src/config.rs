@@ -82,6 +82,9 @@ pub struct ServerConfig {
     pub public_url: String,
     pub max_callback_bytes: usize,
     pub max_request_bytes: usize,
+    pub max_header_bytes: usize,
+    pub request_timeout_secs: u64,
+    pub max_concurrent_callbacks: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -260,6 +263,15 @@ impl Config {
         }
         if self.server.max_callback_bytes < 1024 {
             return Err(invalid("server.max_callback_bytes", "must be at least 1024"));
+        }
+        if self.server.max_header_bytes < 1024 {
+            return Err(invalid("server.max_header_bytes", "must be at least 1024"));
+        }
+        if self.server.request_timeout_secs == 0 {
+            return Err(invalid("server.request_timeout_secs", "must be at least 1"));
+        }
+        if self.server.max_concurrent_callbacks == 0 {
+            return Err(invalid("server.max_concurrent_callbacks", "must be at least 1"));
         }
         if self.server.max_request_bytes < 1024 {
             return Err(invalid("server.max_request_bytes", "must be at least 1024"));

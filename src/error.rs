@@ -28,6 +28,12 @@ pub enum ApiError {
     Store(#[from] StoreError),
     #[error("{detail}")]
     Upstream { code: &'static str, detail: String },
+    #[error("too many requests at once; retry later")]
+    Overloaded,
+    #[error("the request did not arrive in time")]
+    Timeout,
+    #[error("the request headers are too large")]
+    HeadersTooLarge,
 }
 
 impl ApiError {
@@ -73,6 +79,11 @@ impl ApiError {
                 None,
             ),
             ApiError::Upstream { code, detail } => (StatusCode::BAD_GATEWAY, code, detail.clone(), None),
+            ApiError::Overloaded => (StatusCode::SERVICE_UNAVAILABLE, "overloaded", self.to_string(), None),
+            ApiError::Timeout => (StatusCode::REQUEST_TIMEOUT, "request_timeout", self.to_string(), None),
+            ApiError::HeadersTooLarge => {
+                (StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "headers_too_large", self.to_string(), None)
+            }
         }
     }
 }

@@ -46,6 +46,8 @@ async fn receive(
     let Some(secrets) = state.webhook_secrets.get(&tenant) else {
         return Err(ApiError::NotFound { detail: "no such callback route".into() });
     };
+    // Held until the answer is sent; none left means 503 and Pushary retries.
+    let _slot = state.callback_slots.try_acquire().map_err(|_| ApiError::Overloaded)?;
     let bytes = read_body(body, state.config.server.max_callback_bytes).await?;
     let sig = headers
         .get(SIGNATURE_HEADER)
@@ -56,8 +58,8 @@ async fn receive(
         tracing::warn!(bytes = bytes.len(), "callback rejected: signature does not verify");
         return Err(ApiError::Unauthorized { detail: "the signature does not verify" });
     }
-    let parsed: Value = serde_json::from_slice(&bytes)
-        .map_err(|_| ApiError::bad_request("invalid_json", "the callback body is not JSON"))?;
+    let parsed = crate::domain::json::parse_strict(&bytes)
+        .map_err(|e| ApiError::bad_request(e.code(), format!("callback: {e}")))?;
     let (Some(correlation_id), Some(answer)) =
         (parsed.get("correlationId").and_then(Value::as_str), parsed.get("answer").and_then(Value::as_str))
     else {
@@ -70,6 +72,13 @@ async fn receive(
         return Err(ApiError::bad_request("invalid_correlation_id", "correlationId must be 1 to 256 bytes"));
     }
     let answered_at = parsed.get("answeredAt").and_then(Value::as_str);
+    // PostgreSQL text cannot hold NUL, and no valid answer contains one.
+    if [correlation_id, answer, answered_at.unwrap_or("")].iter().any(|s| s.contains('\0')) {
+        return Err(ApiError::bad_request(
+            "invalid_value",
+            "callback fields must not contain NUL characters",
+        ));
+    }
     let inserted = state
         .engine
         .store()

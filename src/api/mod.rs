@@ -33,6 +33,8 @@ pub struct AppState {
     pub tokens: Arc<Vec<(Secret, String)>>,
     /// Each tenant's webhook secrets.
     pub webhook_secrets: Arc<std::collections::HashMap<String, Vec<Secret>>>,
+    /// Callbacks in progress; beyond `server.max_concurrent_callbacks`, 503.
+    pub callback_slots: Arc<tokio::sync::Semaphore>,
 }
 
 pub fn router(state: AppState, role: Role) -> Router {
@@ -62,11 +64,26 @@ pub fn router(state: AppState, role: Role) -> Router {
                 ),
             )
         })
-        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
-            StatusCode::REQUEST_TIMEOUT,
-            Duration::from_secs(30),
-        ))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
+}
+
+/// Bounds every request: total header size, and the time to receive and
+/// answer it (slow clients cannot hold connections forever).
+async fn guard(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let header_bytes: usize = req.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+    if header_bytes > state.config.server.max_header_bytes {
+        return ApiError::HeadersTooLarge.into_response();
+    }
+    let limit = Duration::from_secs(state.config.server.request_timeout_secs);
+    match tokio::time::timeout(limit, next.run(req)).await {
+        Ok(resp) => resp,
+        Err(_) => ApiError::Timeout.into_response(),
+    }
 }
 
 async fn ready(axum::extract::State(state): axum::extract::State<AppState>) -> impl IntoResponse {

@@ -23,8 +23,8 @@ pub(super) async fn enqueue(
     let tenant = authorize(&state, &headers)?;
     require_json(&headers)?;
     let bytes = read_body(body, state.config.server.max_request_bytes).await?;
-    let value: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request("invalid_json", format!("the body is not valid JSON: {e}")))?;
+    let value = crate::domain::json::parse_strict(&bytes)
+        .map_err(|e| ApiError::bad_request(e.code(), e.to_string()))?;
     let now = now_ms();
     let limits = Limits { max_expires_in_secs: state.config.operations.max_expires_in_secs };
     let spec = operation::parse(&value, limits, now).map_err(ApiError::Validation)?;

@@ -22,8 +22,8 @@ pub(super) async fn resolve(
     let tenant = authorize(&state, &headers)?;
     require_json(&headers)?;
     let bytes = read_body(body, 16 * 1024).await?;
-    let v: Value = serde_json::from_slice(&bytes)
-        .map_err(|_| ApiError::bad_request("invalid_json", "the body is not valid JSON"))?;
+    let v = crate::domain::json::parse_strict(&bytes)
+        .map_err(|e| ApiError::bad_request(e.code(), e.to_string()))?;
     let field = |name: &'static str| -> Result<String, ApiError> {
         v.get(name).and_then(Value::as_str).map(str::to_string).ok_or_else(|| {
             ApiError::Validation(crate::domain::operation::FieldError {

@@ -115,6 +115,8 @@ pub struct Options {
     pub manual: bool,
     pub extra_toml: String,
     pub store_busy_ms: Option<u64>,
+    /// Extra keys for the `[server]` table.
+    pub server_toml: String,
     pub pushary_timeout_secs: Option<u64>,
     /// Point approvald at this Pushary instead of the sandbox.
     pub pushary_base_url: Option<String>,
@@ -165,6 +167,7 @@ impl TestApp {
             [server]
             listen = "{addr}"
             public_url = "http://{addr}"
+            {server_extra}
             [store]
             url = "{store_url}"
             max_connections = 4
@@ -197,6 +200,7 @@ impl TestApp {
             rr = opts.require_reachable,
             poll = opts.poll_after_secs.unwrap_or(3600),
             busy = opts.store_busy_ms.unwrap_or(5000),
+            server_extra = opts.server_toml,
             orphan = opts.orphan_after_secs.unwrap_or(3600),
             effect = sandbox.effect_url(),
             extra = opts.extra_toml.replace(

@@ -35,6 +35,7 @@ mod daemon;
 mod enqueue;
 mod faults;
 mod harness;
+mod hostile;
 mod outcomes;
 mod reconciler;
 mod replicas;
