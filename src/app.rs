@@ -77,11 +77,18 @@ impl Application {
                 let secret = e.secret.as_ref().context("effect secret validated at load")?;
                 let key = crate::webhooks::decode_secret(secret.expose())
                     .map_err(|p| anyhow::anyhow!("{}: {name}: {p}", t.name))?;
+                let mut keys = vec![(key, None)];
+                if let (Some(prev), Some(until)) = (&e.previous_secret, &e.previous_secret_until) {
+                    let prev = crate::webhooks::decode_secret(prev.expose())
+                        .map_err(|p| anyhow::anyhow!("{}: {name}: {p}", t.name))?;
+                    let until = chrono::DateTime::parse_from_rfc3339(until)?.timestamp_millis();
+                    keys.push((prev, Some(until)));
+                }
                 effects.insert(
                     name.clone(),
                     EffectTarget {
                         url: e.url.clone(),
-                        keys: vec![key],
+                        keys,
                         timeout: Duration::from_secs(e.timeout_secs),
                         redeliver_safe: e.redeliver_safe,
                     },
@@ -100,6 +107,7 @@ impl Application {
         let engine = Arc::new(Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())));
         let state = AppState {
             callback_slots: Arc::new(tokio::sync::Semaphore::new(config.server.max_concurrent_callbacks)),
+            secret_cache: Arc::default(),
             tokens: Arc::new(tokens),
             webhook_secrets: Arc::new(webhook_secrets),
             config: Arc::new(config),

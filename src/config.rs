@@ -160,6 +160,11 @@ pub struct EffectConfig {
     pub timeout_secs: u64,
     #[serde(default)]
     pub redeliver_safe: bool,
+    /// During a rotation: the previous signing secret, also used until
+    /// `previous_secret_until` (RFC 3339), so receivers can switch over.
+    pub previous_secret: Option<Secret>,
+    pub previous_secret_file: Option<PathBuf>,
+    pub previous_secret_until: Option<String>,
 }
 
 fn default_effect_timeout() -> u64 {
@@ -229,6 +234,10 @@ impl Config {
             if let Some(path) = &effect.secret_file {
                 effect.secret = read_lines(&format!("effects.{name}.secret_file"), path)?.into_iter().next();
             }
+            if let Some(path) = &effect.previous_secret_file {
+                effect.previous_secret =
+                    read_lines(&format!("effects.{name}.previous_secret_file"), path)?.into_iter().next();
+            }
         }
         for (t, tenant) in &mut self.tenants {
             if let Some(path) = &tenant.tokens_file {
@@ -248,6 +257,12 @@ impl Config {
                     effect.secret = read_lines(&format!("tenants.{t}.effects.{name}.secret_file"), path)?
                         .into_iter()
                         .next();
+                }
+                if let Some(path) = &effect.previous_secret_file {
+                    effect.previous_secret =
+                        read_lines(&format!("tenants.{t}.effects.{name}.previous_secret_file"), path)?
+                            .into_iter()
+                            .next();
                 }
             }
         }
@@ -459,6 +474,23 @@ fn validate_effect(key: &str, name: &str, effect: &EffectConfig) -> Result<(), C
     };
     if effect.timeout_secs == 0 {
         return Err(invalid(format!("{key}.timeout_secs"), "must be at least 1"));
+    }
+    if let Some(s) = &effect.previous_secret {
+        crate::webhooks::decode_secret(s.expose())
+            .map_err(|p| invalid(format!("{key}.previous_secret"), p))?;
+        match &effect.previous_secret_until {
+            None => {
+                return Err(invalid(
+                    format!("{key}.previous_secret_until"),
+                    "is required with previous_secret",
+                ));
+            }
+            Some(t) => {
+                chrono::DateTime::parse_from_rfc3339(t).map_err(|_| {
+                    invalid(format!("{key}.previous_secret_until"), "must be an RFC 3339 time")
+                })?;
+            }
+        }
     }
     Ok(())
 }

@@ -66,6 +66,25 @@ enum Command {
     /// Inspect the callback inbox, including orphans.
     #[command(subcommand)]
     Inbox(InboxCommand),
+    /// Manage secrets.
+    #[command(subcommand)]
+    Secret(SecretCommand),
+}
+
+#[derive(Subcommand)]
+enum SecretCommand {
+    /// Ask Pushary for a new webhook secret and store it; the previous ones
+    /// keep verifying callbacks for --overlap-secs, on every replica.
+    Rotate {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The tenant whose secret to rotate.
+        #[arg(long, default_value = "default")]
+        tenant: String,
+        /// How long the previous secrets are still accepted.
+        #[arg(long, default_value_t = 3600)]
+        overlap_secs: u64,
+    },
 }
 
 #[derive(Args)]
@@ -181,6 +200,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Ops(cmd) => ops(cmd).await,
         Command::Inbox(cmd) => inbox(cmd).await,
+        Command::Secret(SecretCommand::Rotate { config, tenant, overlap_secs }) => {
+            let config = Config::load(config.config.as_deref())?;
+            let until = approvald::rotation::rotate_webhook_secret(
+                &config,
+                &tenant,
+                std::time::Duration::from_secs(overlap_secs),
+            )
+            .await?;
+            println!(
+                "rotated the webhook secret of tenant `{tenant}`; the new one is in approvald's store (not printed); \
+                 previous secrets are accepted until {}",
+                approvald::clock::rfc3339(until)
+            );
+            Ok(())
+        }
     }
 }
 

@@ -16,6 +16,42 @@ use crate::pushary::signature;
 use crate::store::{InboxInsert, NewInboxEntry};
 
 pub const SIGNATURE_HEADER: &str = "x-pushary-signature";
+
+/// How long a tenant's secrets from the store are reused before re-reading.
+const SECRET_CACHE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The secrets that verify a tenant's callbacks now: the configured ones
+/// and those rotated in with `approvald secret rotate`, less any retired
+/// (by a rotation) whose window has closed.
+async fn effective_secrets(
+    state: &AppState,
+    tenant: &str,
+    configured: &[crate::secret::Secret],
+) -> Result<Vec<crate::secret::Secret>, ApiError> {
+    let cached = state.secret_cache.lock().unwrap_or_else(|p| p.into_inner()).get(tenant).cloned();
+    if let Some((_, secrets)) = cached.filter(|(at, _)| at.elapsed() < SECRET_CACHE) {
+        return Ok(secrets);
+    }
+    let now = now_ms();
+    let stored = state.engine.store().webhook_secrets(tenant).await?;
+    let open = |until: &Option<i64>| until.is_none_or(|u| u > now);
+    let mut out: Vec<crate::secret::Secret> = configured
+        .iter()
+        .filter(|c| !stored.iter().any(|(s, until)| s == c.expose() && !open(until)))
+        .cloned()
+        .collect();
+    for (s, until) in &stored {
+        if open(until) && !out.iter().any(|o| o.expose() == s) {
+            out.push(crate::secret::Secret::new(s.clone()));
+        }
+    }
+    state
+        .secret_cache
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(tenant.to_string(), (std::time::Instant::now(), out.clone()));
+    Ok(out)
+}
 const MAX_CORRELATION_ID: usize = 256;
 
 /// `/v1/callbacks/pushary`: the default tenant's callbacks.
@@ -43,9 +79,10 @@ async fn receive(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    let Some(secrets) = state.webhook_secrets.get(&tenant) else {
+    let Some(configured) = state.webhook_secrets.get(&tenant) else {
         return Err(ApiError::NotFound { detail: "no such callback route".into() });
     };
+    let secrets = effective_secrets(&state, &tenant, configured).await?;
     // Held until the answer is sent; none left means 503 and Pushary retries.
     let _slot = state.callback_slots.try_acquire().map_err(|_| ApiError::Overloaded)?;
     let bytes = read_body(body, state.config.server.max_callback_bytes).await?;

@@ -25,6 +25,9 @@ use crate::worker::Engine;
 
 pub use crate::config::DEFAULT_TENANT;
 
+/// Per tenant: when its stored secrets were read, and the effective set.
+pub type SecretCache = std::collections::HashMap<String, (std::time::Instant, Vec<Secret>)>;
+
 #[derive(Clone)]
 pub struct AppState {
     pub config: Arc<Config>,
@@ -33,6 +36,8 @@ pub struct AppState {
     pub tokens: Arc<Vec<(Secret, String)>>,
     /// Each tenant's webhook secrets.
     pub webhook_secrets: Arc<std::collections::HashMap<String, Vec<Secret>>>,
+    /// Secrets rotated in through the store, re-read every few seconds.
+    pub secret_cache: Arc<std::sync::Mutex<SecretCache>>,
     /// Callbacks in progress; beyond `server.max_concurrent_callbacks`, 503.
     pub callback_slots: Arc<tokio::sync::Semaphore>,
 }

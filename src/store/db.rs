@@ -91,10 +91,14 @@ pub const WORK_CHANNEL: &str = "approvald_work";
 /// Our migrations table is named for us so no other library's collides.
 const MIGRATIONS_TABLE: &str = "approvald_migrations";
 
-const SQLITE_MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "init", include_str!("../../migrations/sqlite/0001_init.sql"))];
-const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "init", include_str!("../../migrations/postgres/0001_init.sql"))];
+const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "init", include_str!("../../migrations/sqlite/0001_init.sql")),
+    (2, "webhook secrets", include_str!("../../migrations/sqlite/0002_webhook_secrets.sql")),
+];
+const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "init", include_str!("../../migrations/postgres/0001_init.sql")),
+    (2, "webhook secrets", include_str!("../../migrations/postgres/0002_webhook_secrets.sql")),
+];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
     let migrations = files
@@ -569,6 +573,66 @@ impl Store {
             .bind(correlation_id)
             .execute(pool)
             .await?;
+            Ok(())
+        })
+    }
+
+    // ---- webhook secret rotation ------------------------------------------------------------
+
+    /// Rotated-in secrets and retirements for a tenant: (secret, valid_until).
+    pub async fn webhook_secrets(&self, tenant: &str) -> Result<Vec<(String, Option<i64>)>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query("SELECT secret, valid_until FROM webhook_secrets WHERE tenant = $1")
+                .bind(tenant)
+                .fetch_all(pool)
+                .await?;
+            rows.iter().map(|r| Ok((r.try_get("secret")?, r.try_get("valid_until")?))).collect()
+        })
+    }
+
+    /// Stores `new` as a current secret and retires every other known one
+    /// (`others`, e.g. from the config file, and earlier rotations) at `until`.
+    pub async fn rotate_webhook_secret(
+        &self,
+        tenant: &str,
+        new: &str,
+        others: &[String],
+        now: i64,
+        until: i64,
+    ) -> Result<(), StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let mut tx = pool.begin_with(BEGIN).await?;
+            sqlx::query(
+                "UPDATE webhook_secrets SET valid_until = $3 WHERE tenant = $1 AND secret <> $2 \
+                 AND (valid_until IS NULL OR valid_until > $3)",
+            )
+            .bind(tenant)
+            .bind(new)
+            .bind(until)
+            .execute(&mut *tx)
+            .await?;
+            for other in others.iter().filter(|o| o.as_str() != new) {
+                sqlx::query(
+                    "INSERT INTO webhook_secrets (tenant, secret, created_at, valid_until) VALUES ($1, $2, $3, $4) \
+                     ON CONFLICT (tenant, secret) DO NOTHING",
+                )
+                .bind(tenant)
+                .bind(other)
+                .bind(now)
+                .bind(until)
+                .execute(&mut *tx)
+                .await?;
+            }
+            sqlx::query(
+                "INSERT INTO webhook_secrets (tenant, secret, created_at, valid_until) VALUES ($1, $2, $3, NULL) \
+                 ON CONFLICT (tenant, secret) DO UPDATE SET valid_until = NULL",
+            )
+            .bind(tenant)
+            .bind(new)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
             Ok(())
         })
     }

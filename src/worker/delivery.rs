@@ -15,8 +15,9 @@ pub const MAX_RESULT_BYTES: usize = 16 * 1024;
 #[derive(Debug, Clone)]
 pub struct EffectTarget {
     pub url: String,
-    /// Signing keys; two during a rotation, each yields a signature.
-    pub keys: Vec<Vec<u8>>,
+    /// Signing keys with the time each stops being used (none: current);
+    /// during a rotation both sign, so receivers can switch over.
+    pub keys: Vec<(Vec<u8>, Option<i64>)>,
     pub timeout: Duration,
     /// Deduplicates on `Idempotency-Key`, so an interrupted approval may be
     /// delivered again instead of ending `uncertain`.
@@ -79,7 +80,14 @@ impl Engine {
         let body = serde_json::to_vec(&outcome_body(op)).expect("a Value always serializes");
         let msg_id = format!("msg_{}", op.id);
         let ts = now_ms() / 1000;
-        let signature = crate::webhooks::signature_header(&target.keys, &msg_id, ts, &body);
+        let now = now_ms();
+        let keys: Vec<Vec<u8>> = target
+            .keys
+            .iter()
+            .filter(|(_, until)| until.is_none_or(|u| u > now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let signature = crate::webhooks::signature_header(&keys, &msg_id, ts, &body);
         let started_at = now_ms();
         let clock = Instant::now();
         let sent = self

@@ -115,6 +115,8 @@ pub struct Options {
     pub manual: bool,
     pub extra_toml: String,
     pub store_busy_ms: Option<u64>,
+    /// Sign deliveries with this secret instead of the sandbox effect target's.
+    pub effect_secret_override: Option<String>,
     /// Extra keys for the `[server]` table.
     pub server_toml: String,
     pub pushary_timeout_secs: Option<u64>,
@@ -189,7 +191,7 @@ impl TestApp {
             orphan_after_secs = {orphan}
             [effects.orders]
             url = "{effect}"
-            secret = "{effect_secret}"
+            secret = "{signing_secret}"
             timeout_secs = 5
             {extra}
             "#,
@@ -203,7 +205,8 @@ impl TestApp {
             server_extra = opts.server_toml,
             orphan = opts.orphan_after_secs.unwrap_or(3600),
             effect = sandbox.effect_url(),
-            extra = opts.extra_toml.replace(
+            signing_secret = opts.effect_secret_override.clone().unwrap_or_else(|| effect_secret.clone()),
+            extra = opts.extra_toml.replace("__EFFECT_SECRET__", &effect_secret).replace(
                 "__ACME__",
                 &format!(
                     "[tenants.acme]\ntokens = [\"acme-token-0123456789\"]\npushary_api_key = \"{}\"\n\

@@ -39,6 +39,7 @@ mod hostile;
 mod outcomes;
 mod reconciler;
 mod replicas;
+mod rotation;
 mod scaleout;
 mod soak;
 mod tenants;

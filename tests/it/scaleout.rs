@@ -142,7 +142,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
     })
     .await
     .expect("connect");
-    assert_eq!(store.migration_status().await.expect("status"), (Some(1), 1));
+    assert_eq!(store.migration_status().await.expect("status"), (Some(2), 2));
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",
     )
@@ -151,12 +151,20 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
     .expect("tables");
     assert_eq!(
         tables,
-        ["approvald_migrations", "deliveries", "inbox", "operations", "thread_leases", "transitions"]
+        [
+            "approvald_migrations",
+            "deliveries",
+            "inbox",
+            "operations",
+            "thread_leases",
+            "transitions",
+            "webhook_secrets"
+        ]
     );
     let applied: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM approvald_migrations")
         .fetch_one(store.pg_pool().expect("pg"))
         .await
         .expect("count");
-    assert_eq!(applied, 1, "each migration applied once");
+    assert_eq!(applied, 2, "each migration applied once");
     store.close().await;
 }
