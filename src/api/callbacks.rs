@@ -52,7 +52,6 @@ async fn effective_secrets(
         .insert(tenant.to_string(), (std::time::Instant::now(), out.clone()));
     Ok(out)
 }
-const MAX_CORRELATION_ID: usize = 256;
 
 /// `/v1/callbacks/pushary`: the default tenant's callbacks.
 pub(super) async fn receive_default(
@@ -95,27 +94,10 @@ async fn receive(
         tracing::warn!(bytes = bytes.len(), "callback rejected: signature does not verify");
         return Err(ApiError::Unauthorized { detail: "the signature does not verify" });
     }
-    let parsed = crate::domain::json::parse_strict(&bytes)
-        .map_err(|e| ApiError::bad_request(e.code(), format!("callback: {e}")))?;
-    let (Some(correlation_id), Some(answer)) =
-        (parsed.get("correlationId").and_then(Value::as_str), parsed.get("answer").and_then(Value::as_str))
-    else {
-        return Err(ApiError::bad_request(
-            "not_a_decision_callback",
-            "a decision callback needs string `correlationId` and `answer`",
-        ));
-    };
-    if correlation_id.is_empty() || correlation_id.len() > MAX_CORRELATION_ID {
-        return Err(ApiError::bad_request("invalid_correlation_id", "correlationId must be 1 to 256 bytes"));
-    }
-    let answered_at = parsed.get("answeredAt").and_then(Value::as_str);
-    // PostgreSQL text cannot hold NUL, and no valid answer contains one.
-    if [correlation_id, answer, answered_at.unwrap_or("")].iter().any(|s| s.contains('\0')) {
-        return Err(ApiError::bad_request(
-            "invalid_value",
-            "callback fields must not contain NUL characters",
-        ));
-    }
+    let cb =
+        crate::domain::callback::parse(&bytes).map_err(|e| ApiError::bad_request(e.code(), e.detail()))?;
+    let (correlation_id, answer, answered_at) =
+        (cb.correlation_id.as_str(), cb.answer.as_str(), cb.answered_at.as_deref());
     let inserted = state
         .engine
         .store()

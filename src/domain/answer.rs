@@ -122,3 +122,35 @@ mod tests {
         assert_eq!(DecisionType::parse("Confirm"), None);
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// A confirm answer approves only as exactly `yes`, and is never
+        /// data: so a confirm can reach an effect only through a permit.
+        #[test]
+        fn confirm_approves_only_exact_yes(answer in any::<String>()) {
+            let v = validate(DecisionType::Confirm, &[], &answer);
+            prop_assert_eq!(v == Verdict::Approved, answer == "yes");
+            prop_assert_eq!(v == Verdict::Denied, answer == "no");
+            prop_assert!(v != Verdict::Data);
+        }
+
+        #[test]
+        fn select_and_input_are_never_approvals(
+            options in prop::collection::vec(any::<String>(), 0..5),
+            answer in any::<String>(),
+        ) {
+            let s = validate(DecisionType::Select, &options, &answer);
+            prop_assert_eq!(s == Verdict::Data, options.contains(&answer));
+            let i = validate(DecisionType::Input, &[], &answer);
+            let n = answer.chars().count();
+            prop_assert_eq!(i == Verdict::Data, (1..=MAX_INPUT_CHARS).contains(&n));
+            prop_assert!(s != Verdict::Approved && i != Verdict::Approved);
+        }
+    }
+}

@@ -160,3 +160,42 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+    use serde_json::Value;
+
+    use super::*;
+
+    fn values() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<String>().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map(any::<String>(), inner, 0..6)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        /// Whatever serde_json writes (no duplicate keys by construction), the strict parser reads back.
+        #[test]
+        fn strict_parsing_round_trips(v in values()) {
+            let bytes = serde_json::to_vec(&v).expect("serializes");
+            prop_assert_eq!(parse_strict(&bytes).expect("parses"), v);
+        }
+
+        /// Arbitrary bytes never panic the parser.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = parse_strict(&bytes);
+        }
+    }
+}

@@ -227,3 +227,34 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Random walks through the table: nothing leaves a terminal state,
+        /// and reaching `succeeded` always went through an answer and a delivery.
+        #[test]
+        fn random_walks_respect_the_table(steps in prop::collection::vec(0..State::ALL.len(), 0..60)) {
+            let mut state = Enqueued;
+            let mut path = vec![state];
+            for i in steps {
+                let to = State::ALL[i];
+                if state.is_terminal() {
+                    prop_assert!(!state.can_become(to));
+                    continue;
+                }
+                if state.can_become(to) {
+                    state = to;
+                    path.push(state);
+                }
+            }
+            if state == Succeeded {
+                prop_assert!(path.contains(&Answered) && path.contains(&Delivering), "{:?}", path);
+            }
+        }
+    }
+}
