@@ -503,8 +503,10 @@ pub fn validate_api_key(key: &str) -> Result<(), String> {
     if !key.contains('.') {
         return Err("must have the form pk_<id>.<secret> (no `.` found)".into());
     }
-    if key.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err("must not contain whitespace".into());
+    // Issued keys are printable ASCII; anything else would be sent as
+    // different bytes by different HTTP stacks (the SDK uses Latin-1).
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("must be printable ASCII without spaces".into());
     }
     Ok(())
 }

@@ -56,7 +56,10 @@ pub struct CreatedDecision {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Decision {
-    pub decision_id: String,
+    /// Not needed to act on a poll (the caller knows the id it asked for),
+    /// and the SDK never reads it, so its absence is tolerated.
+    #[serde(default)]
+    pub decision_id: Option<String>,
     pub status: String,
     #[serde(default)]
     pub answered: Option<bool>,
@@ -123,19 +126,10 @@ impl PusharyClient {
         let resp = req.send().await.map_err(|e| PusharyError::Transport(without_url(&e)))?;
         let status = resp.status().as_u16();
         let bytes = resp.bytes().await.map_err(|e| PusharyError::Transport(without_url(&e)))?;
-        // Like the SDK: an empty or non-JSON body reads as {}.
-        let value: Value = serde_json::from_slice(&bytes).unwrap_or_else(|_| json!({}));
         if (200..300).contains(&status) {
-            return Ok(value);
+            return Ok(success_body(&bytes));
         }
-        let message = value
-            .get("error")
-            .and_then(Value::as_str)
-            .or_else(|| value.get("message").and_then(Value::as_str))
-            .map(str::to_string)
-            .unwrap_or_else(|| format!("HTTP {status}"));
-        let refusal = value.get("refusal").and_then(Value::as_str).map(str::to_string);
-        Err(PusharyError::Status { status, message, refusal, body: value })
+        Err(status_error(status, &bytes))
     }
 
     fn parse<T: for<'de> Deserialize<'de>>(value: Value) -> Result<T, PusharyError> {
@@ -197,6 +191,34 @@ impl PusharyClient {
     }
 }
 
+/// A 2xx body as the SDK reads it: empty, non-UTF-8 or non-JSON is `{}`, a
+/// JSON value that is not an object is `{"data": value}`, an object as is.
+fn success_body(bytes: &[u8]) -> Value {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(object @ Value::Object(_)) => object,
+        Ok(other) => json!({ "data": other }),
+        Err(_) => json!({}),
+    }
+}
+
+/// A non-2xx answer as the SDK reads it: the message is the body's `error`
+/// when it is a string, else its `message` when that is a string, else
+/// `HTTP {status}`; a body that is not a JSON object reads as `{}`.
+fn status_error(status: u16, bytes: &[u8]) -> PusharyError {
+    let body = match serde_json::from_slice::<Value>(bytes) {
+        Ok(object @ Value::Object(_)) => object,
+        _ => json!({}),
+    };
+    let message = body
+        .get("error")
+        .and_then(Value::as_str)
+        .or_else(|| body.get("message").and_then(Value::as_str))
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("HTTP {status}"));
+    let refusal = body.get("refusal").and_then(Value::as_str).map(str::to_string);
+    PusharyError::Status { status, message, refusal, body }
+}
+
 fn secret_field(v: Value) -> Result<Secret, PusharyError> {
     v.get("secret")
         .and_then(Value::as_str)
@@ -235,6 +257,68 @@ mod tests {
         assert_eq!(encode_segment("../x"), "..%2Fx");
         assert_eq!(encode_segment("a b?c#d%"), "a%20b%3Fc%23d%25");
         assert_eq!(encode_segment("ü"), "%C3%BC");
+    }
+
+    #[test]
+    fn success_bodies_read_like_the_sdk() {
+        assert_eq!(success_body(b""), json!({}));
+        assert_eq!(success_body(b"OK"), json!({}));
+        assert_eq!(success_body(&[0xff, 0xfe]), json!({}));
+        assert_eq!(success_body(b"[1,2]"), json!({"data": [1, 2]}));
+        assert_eq!(success_body(b"null"), json!({"data": null}));
+        assert_eq!(success_body(br#"{"a":1}"#), json!({"a": 1}));
+    }
+
+    fn parts(e: PusharyError) -> (u16, String, Option<String>, Value) {
+        match e {
+            PusharyError::Status { status, message, refusal, body } => (status, message, refusal, body),
+            other => panic!("expected a status error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn error_bodies_read_like_the_sdk() {
+        let (_, message, refusal, body) =
+            parts(status_error(409, br#"{"error":"Nope","message":"m","refusal":"expired"}"#));
+        assert_eq!((message.as_str(), refusal.as_deref()), ("Nope", Some("expired")));
+        assert_eq!(body["message"], "m");
+        assert_eq!(parts(status_error(400, br#"{"message":"only message"}"#)).1, "only message");
+        // A non-string `error` falls through to `message`.
+        assert_eq!(parts(status_error(400, br#"{"error":{"code":7},"message":"m"}"#)).1, "m");
+        assert_eq!(parts(status_error(400, br#"{"error":null}"#)).1, "HTTP 400");
+        for raw in [&b"<html>Bad Gateway</html>"[..], b"", b"[\"x\"]", b"\"text\""] {
+            let (status, message, refusal, body) = parts(status_error(502, raw));
+            assert_eq!((status, message.as_str(), refusal, body), (502, "HTTP 502", None, json!({})));
+        }
+        assert_eq!(parts(status_error(403, br#"{"refusal":7}"#)).2, None);
+    }
+
+    #[test]
+    fn responses_tolerate_unknown_and_missing_fields() {
+        let created: CreatedDecision =
+            PusharyClient::parse(json!({"decisionId": "d", "brandNew": {"x": [1]}})).expect("extra ignored");
+        assert_eq!((created.decision_id.as_str(), created.status), ("d", None));
+        let d: Decision = PusharyClient::parse(json!({"status": "pending"})).expect("optional missing");
+        assert_eq!((d.decision_id, d.answered, d.value, d.answered_at), (None, None, None, None));
+        let d: Decision = PusharyClient::parse(
+            json!({"decisionId": "d", "status": "answered", "answered": true, "value": "yes",
+                   "answeredAt": null, "createdAt": "x", "somethingElse": 1}),
+        )
+        .expect("extra ignored");
+        assert_eq!((d.status.as_str(), d.value.as_deref()), ("answered", Some("yes")));
+        let p: Permit = PusharyClient::parse(json!({"permitId": "p", "authority": "human"})).expect("permit");
+        assert_eq!(p.permit_id, "p");
+        // What cannot be acted on is a decode error, never a default.
+        assert!(matches!(PusharyClient::parse::<CreatedDecision>(json!({})), Err(PusharyError::Decode(_))));
+        assert!(matches!(
+            PusharyClient::parse::<Decision>(json!({"value": "yes"})),
+            Err(PusharyError::Decode(_))
+        ));
+        assert!(matches!(
+            PusharyClient::parse::<Permit>(json!({"data": null})),
+            Err(PusharyError::Decode(_))
+        ));
+        assert!(matches!(secret_field(json!({})), Err(PusharyError::Decode(_))));
     }
 
     #[test]

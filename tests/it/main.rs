@@ -41,6 +41,8 @@ mod reconciler;
 mod replicas;
 mod rotation;
 mod scaleout;
+mod sdk;
 mod soak;
 mod tenants;
 mod vectors;
+
