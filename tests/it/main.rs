@@ -45,4 +45,3 @@ mod sdk;
 mod soak;
 mod tenants;
 mod vectors;
-
