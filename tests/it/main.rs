@@ -18,7 +18,7 @@ macro_rules! both_engines {
             $(#[$meta])*
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn postgres() {
-                let Some(backend) = crate::harness::Backend::postgres(concat!(module_path!(), "::", stringify!($name)))
+                let Some(backend) = crate::harness::Backend::postgres(module_path!())
                 else {
                     return;
                 };

@@ -45,8 +45,15 @@ async fn a_tenant_cannot_see_or_touch_another_tenants_operations() {
     let (s, list) = call(&app, get.clone(), "/v1/operations", ACME, None).await;
     assert_eq!(s, 200);
     assert_eq!(list["operations"].as_array().map(Vec::len), Some(0));
+    // The default tenant's inbox: listed for it, invisible to acme.
+    let (b, sig) = app.signed_callback("dec_default_only", "yes");
+    assert_eq!(app.post_callback(&b, Some(&sig)).await.0, 200);
+    let (_, mine) = call(&app, get.clone(), "/v1/inbox", TOKEN, None).await;
+    let entry = mine["entries"][0]["id"].as_i64().expect("the default tenant sees its entry");
     let (s, inbox) = call(&app, get.clone(), "/v1/inbox", ACME, None).await;
     assert_eq!((s, inbox["entries"].as_array().map(Vec::len)), (200, Some(0)));
+    let (s, _) = call(&app, get.clone(), &format!("/v1/inbox/{entry}"), ACME, None).await;
+    assert_eq!(s, 404);
     // The default tenant's target name is not acme's.
     let (s, err) = call(&app, reqwest::Method::POST, "/v1/operations", ACME, Some(confirm("acme-1"))).await;
     assert_eq!((s, err["code"].as_str()), (422, Some("unknown_effect")), "{err}");
