@@ -107,20 +107,8 @@ both_engines! {
 async fn an_early_callback_waits_in_the_inbox_until_the_decision_id_is_recorded() {
     let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
     let id = app.enqueue_ok(&confirm("early")).await;
-    let op = app.store().get_operation(None, &id).await.expect("store").expect("op");
     // The exact request approvald will send, sent first by someone else.
-    let created: serde_json::Value = app
-        .http
-        .post(format!("{}/decisions", app.sandbox.base_url()))
-        .bearer_auth(app.sandbox.api_key())
-        .json(&op.decision_request)
-        .send()
-        .await
-        .expect("create")
-        .json()
-        .await
-        .expect("json");
-    let decision = created["decisionId"].as_str().expect("decision id").to_string();
+    let decision = app.create_decision_first(&id).await;
     app.answer(&decision, "yes").await;
     assert!(
         app.sandbox

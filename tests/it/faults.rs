@@ -143,19 +143,7 @@ async fn callbacks_that_never_match_become_visible_orphans_and_revive_if_their_o
     // An early answer marked orphaned (the opener was down for long) comes
     // back to life once its operation records the decision id.
     let id = app.enqueue_ok(&confirm("revive")).await;
-    let op = app.store().get_operation(None, &id).await.expect("store").expect("op");
-    let created: serde_json::Value = app
-        .http
-        .post(format!("{}/decisions", app.sandbox.base_url()))
-        .bearer_auth(app.sandbox.api_key())
-        .json(&op.decision_request)
-        .send()
-        .await
-        .expect("create")
-        .json()
-        .await
-        .expect("json");
-    let decision = created["decisionId"].as_str().expect("id").to_string();
+    let decision = app.create_decision_first(&id).await;
     app.sandbox.answer(&decision, "yes", approvald::sandbox::CallbackMode::Drop).await.expect("answer");
     let (b, s) = app.signed_callback(&decision, "yes");
     assert_eq!(app.post_callback(&b, Some(&s)).await.0, 200);

@@ -375,6 +375,25 @@ impl TestApp {
         }
     }
 
+    /// Sends approvald's own stored `POST /decisions` payload for `op_id` to
+    /// the sandbox first, as if Pushary had created the decision before
+    /// approvald heard back; returns the decision id.
+    pub async fn create_decision_first(&self, op_id: &str) -> String {
+        let op = self.store().get_operation(None, op_id).await.expect("store").expect("op");
+        let created: Value = self
+            .http
+            .post(format!("{}/decisions", self.sandbox.base_url()))
+            .bearer_auth(self.sandbox.api_key())
+            .json(&op.decision_request)
+            .send()
+            .await
+            .expect("create")
+            .json()
+            .await
+            .expect("json");
+        created["decisionId"].as_str().expect("decision id").to_string()
+    }
+
     /// Runs the engine by hand until no thread has work (manual mode).
     pub async fn drain(&self) {
         for _ in 0..1000 {
