@@ -78,12 +78,13 @@ async fn receive(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
+    // Taken before any work and held until the answer is sent; none left
+    // means 503, and Pushary retries.
+    let _slot = state.callback_slots.try_acquire().map_err(|_| ApiError::Overloaded)?;
     let Some(configured) = state.webhook_secrets.get(&tenant) else {
         return Err(ApiError::NotFound { detail: "no such callback route".into() });
     };
     let secrets = effective_secrets(&state, &tenant, configured).await?;
-    // Held until the answer is sent; none left means 503 and Pushary retries.
-    let _slot = state.callback_slots.try_acquire().map_err(|_| ApiError::Overloaded)?;
     let bytes = read_body(body, state.config.server.max_callback_bytes).await?;
     let sig = headers
         .get(SIGNATURE_HEADER)
