@@ -45,3 +45,4 @@ mod sdk;
 mod soak;
 mod tenants;
 mod vectors;
+mod workers;
