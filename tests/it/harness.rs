@@ -427,3 +427,24 @@ pub fn confirm(n: &str) -> Value {
         "revision": "rev-3",
     })
 }
+
+/// Waits (bounded) until no operation is still in flight and nothing is due.
+pub async fn wait_settled(store: &Store, limit: Duration, context: impl Fn() -> String) {
+    let start = Instant::now();
+    loop {
+        let states = store.count_by_state().await.expect("counts");
+        let busy: i64 = states
+            .iter()
+            .filter(|(s, _)| {
+                matches!(s.as_str(), "enqueued" | "pending" | "answered" | "permitted" | "delivering")
+            })
+            .map(|(_, n)| n)
+            .sum();
+        let due = store.next_due_at().await.expect("due");
+        if busy == 0 && due.is_none() {
+            return;
+        }
+        assert!(start.elapsed() < limit, "never settled: {states:?} due {due:?}\n{}", context());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -168,23 +168,7 @@ async fn run() {
         r.expect("join");
     }
 
-    // Settle.
-    let settle = Instant::now();
-    loop {
-        let counts = store.count_by_state().await.expect("counts");
-        let busy: i64 = counts
-            .iter()
-            .filter(|(s, _)| {
-                matches!(s.as_str(), "enqueued" | "pending" | "answered" | "permitted" | "delivering")
-            })
-            .map(|(_, n)| n)
-            .sum();
-        if busy == 0 && store.next_due_at().await.expect("due").is_none() {
-            break;
-        }
-        assert!(settle.elapsed() < LIMIT, "never settled: {counts:?}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    crate::harness::wait_settled(&store, LIMIT, String::new).await;
 
     // Checks.
     let deliveries = d.sandbox.effect_deliveries();

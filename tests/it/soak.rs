@@ -229,23 +229,7 @@ async fn soak_thousands_of_operations_with_duplicates_drops_and_kills() {
     })
     .await
     .expect("open the store");
-    let settle = Instant::now();
-    loop {
-        let states = store.count_by_state().await.expect("counts");
-        let busy: i64 = states
-            .iter()
-            .filter(|(s, _)| {
-                matches!(s.as_str(), "enqueued" | "pending" | "answered" | "permitted" | "delivering")
-            })
-            .map(|(_, n)| n)
-            .sum();
-        let due = store.next_due_at().await.expect("due");
-        if busy == 0 && due.is_none() {
-            break;
-        }
-        assert!(settle.elapsed() < STEP_LIMIT, "never settled: {states:?} due {due:?}\n{}", d.stderr());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    crate::harness::wait_settled(&store, STEP_LIMIT, || d.stderr()).await;
 
     // Late replays of answered decisions change nothing.
     let mut late = 0usize;
