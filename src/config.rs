@@ -37,6 +37,7 @@ pub struct Config {
     pub operations: OperationsConfig,
     pub worker: WorkerConfig,
     pub reconciler: ReconcilerConfig,
+    pub retention: RetentionConfig,
     pub log: LogConfig,
     #[serde(default)]
     pub effects: BTreeMap<String, EffectConfig>,
@@ -141,6 +142,12 @@ pub struct ReconcilerConfig {
     pub interval_secs: u64,
     pub poll_after_secs: u64,
     pub orphan_after_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionConfig {
+    pub archive_after_secs: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

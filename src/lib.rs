@@ -15,6 +15,7 @@ pub mod error;
 pub mod fault;
 pub mod http;
 pub mod pushary;
+pub mod resource;
 pub mod rotation;
 pub mod sandbox;
 pub mod secret;

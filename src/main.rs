@@ -264,10 +264,16 @@ async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
         }
         OpsCommand::Show { store, id } => {
             let store = open_store(&store).await?;
-            let op = store
-                .get_operation(None, &id)
-                .await?
-                .ok_or_else(|| anyhow::anyhow!("no operation `{id}`"))?;
+            let Some(op) = store.get_operation(None, &id).await? else {
+                let (_, document) = store
+                    .archived_operation(None, &id)
+                    .await?
+                    .ok_or_else(|| anyhow::anyhow!("no operation `{id}`"))?;
+                let document: serde_json::Value = serde_json::from_str(&document)?;
+                println!("archived operation (retention.archive_after_secs):");
+                println!("{}", serde_json::to_string_pretty(&document)?);
+                return Ok(());
+            };
             let ts = approvald::clock::rfc3339;
             println!("operation   {}", op.id);
             println!("state       {}", op.state);

@@ -124,5 +124,9 @@ async fn receive(
             tracing::info!(correlation_id, inbox_id = id, "duplicate callback");
             Ok(Json(json!({"status": "duplicate"})))
         }
+        InboxInsert::Archived => {
+            tracing::info!(correlation_id, "callback for an archived operation: a replay, ignored");
+            Ok(Json(json!({"status": "duplicate"})))
+        }
     }
 }

@@ -8,11 +8,12 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
 use super::{AppState, authorize, read_body, require_json};
-use crate::clock::{now_ms, rfc3339};
+use crate::clock::now_ms;
 use crate::domain::keys::deterministic_key;
 use crate::domain::operation::{self, FieldError, Limits, OperationSpec};
 use crate::domain::state::State as OpState;
 use crate::error::ApiError;
+use crate::resource::{full_view, view};
 use crate::store::{Inserted, Operation, OperationFilter, Transition};
 
 pub(super) async fn enqueue(
@@ -47,6 +48,16 @@ pub(super) async fn enqueue(
             let transitions = state.engine.store().transitions(&existing.id).await?;
             Ok((StatusCode::OK, Json(view(&existing, &transitions, None))))
         }
+        Inserted::Archived { fingerprint, document } if fingerprint == op.fingerprint => {
+            Ok((StatusCode::OK, Json(archived_document(&document)?)))
+        }
+        Inserted::Archived { .. } => Err(ApiError::Conflict {
+            code: "operation_key_conflict",
+            detail: format!(
+                "operationKey `{}` belongs to an archived operation with different content; use a new key",
+                op.operation_key
+            ),
+        }),
         Inserted::Existing(existing) => Err(ApiError::Conflict {
             code: "operation_key_conflict",
             detail: format!(
@@ -139,40 +150,6 @@ fn new_operation(state: &AppState, tenant: &str, spec: OperationSpec, now: i64) 
     }
 }
 
-/// The operation resource of API.md.
-pub fn view(op: &Operation, transitions: &[Transition], deliveries: Option<Value>) -> Value {
-    let mut v = json!({
-        "id": op.id,
-        "operationKey": op.operation_key,
-        "threadId": op.thread_id,
-        "interruptId": op.interrupt_id,
-        "checkpointId": op.spec.checkpoint_id,
-        "effect": op.effect,
-        "type": op.decision_type.as_str(),
-        "state": op.state.as_str(),
-        "decisionId": op.decision_id,
-        "answer": op.answer,
-        "permitId": op.permit_id,
-        "idempotencyKey": op.idempotency_key,
-        "outcome": op.outcome_status,
-        "delivery": op.delivery,
-        "receipt": op.receipt,
-        "lastError": op.last_error,
-        // The effect target's response body: JSON when it was JSON.
-        "result": op.result.as_deref().map(|r| serde_json::from_str::<Value>(r).unwrap_or_else(|_| json!(r))),
-        "createdAt": rfc3339(op.created_at),
-        "updatedAt": rfc3339(op.updated_at),
-        "deadline": rfc3339(op.deadline),
-        "transitions": transitions.iter().map(|t| json!({
-            "from": t.from, "to": t.to, "at": rfc3339(t.at), "cause": t.cause, "actor": t.actor,
-        })).collect::<Vec<_>>(),
-    });
-    if let Some(d) = deliveries {
-        v["deliveries"] = d;
-    }
-    v
-}
-
 pub(super) async fn show(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -180,17 +157,22 @@ pub(super) async fn show(
 ) -> Result<Json<Value>, ApiError> {
     let tenant = authorize(&state, &headers)?;
     let store = state.engine.store();
-    let op = store.get_operation(Some(tenant), &id).await?.ok_or_else(|| ApiError::not_found("operation"))?;
+    let Some(op) = store.get_operation(Some(tenant), &id).await? else {
+        return match store.archived_operation(Some(tenant), &id).await? {
+            Some((_, document)) => Ok(Json(archived_document(&document)?)),
+            None => Err(ApiError::not_found("operation")),
+        };
+    };
     let transitions = store.transitions(&op.id).await?;
     let deliveries = store.deliveries(&op.id).await?;
-    let deliveries = deliveries
-        .iter()
-        .map(|d| {
-            json!({"attempt": d.attempt, "startedAt": rfc3339(d.started_at), "durationMs": d.duration_ms,
-                   "statusCode": d.status_code, "error": d.error})
-        })
-        .collect();
-    Ok(Json(view(&op, &transitions, Some(Value::Array(deliveries)))))
+    Ok(Json(full_view(&op, &transitions, &deliveries)))
+}
+
+/// The resource as it was archived (with `archivedAt`).
+fn archived_document(document: &str) -> Result<Value, ApiError> {
+    serde_json::from_str(document).map_err(|e| {
+        ApiError::Store(crate::store::StoreError::Corrupt(format!("archived operation document: {e}")))
+    })
 }
 
 #[derive(Debug, Deserialize)]

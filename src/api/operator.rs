@@ -7,7 +7,7 @@ use axum::http::HeaderMap;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::operations::view;
+use crate::resource::view;
 use super::{AppState, authorize, read_body, require_json};
 use crate::clock::rfc3339;
 use crate::error::ApiError;

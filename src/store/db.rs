@@ -94,10 +94,12 @@ const MIGRATIONS_TABLE: &str = "approvald_migrations";
 const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../../migrations/sqlite/0001_init.sql")),
     (2, "webhook secrets", include_str!("../../migrations/sqlite/0002_webhook_secrets.sql")),
+    (3, "archive", include_str!("../../migrations/sqlite/0003_archive.sql")),
 ];
 const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../../migrations/postgres/0001_init.sql")),
     (2, "webhook secrets", include_str!("../../migrations/postgres/0002_webhook_secrets.sql")),
+    (3, "archive", include_str!("../../migrations/postgres/0003_archive.sql")),
 ];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
@@ -219,6 +221,18 @@ impl Store {
     pub async fn insert_operation(&self, op: &Operation, first: &Transition) -> Result<Inserted, StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
             let mut tx = pool.begin_with(BEGIN).await?;
+            // The key of an archived operation is still taken.
+            let archived: Option<(String, String)> = sqlx::query_as(
+                "SELECT fingerprint, document FROM archived_operations WHERE tenant = $1 AND operation_key = $2",
+            )
+            .bind(&op.tenant)
+            .bind(&op.operation_key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some((fingerprint, document)) = archived {
+                tx.rollback().await?;
+                return Ok(Inserted::Archived { fingerprint, document });
+            }
             let done = sqlx::query(
                 "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
                  decision_type, spec, decision_request, state, idempotency_key, due_at, deadline, created_at, \
@@ -452,6 +466,104 @@ impl Store {
         })
     }
 
+    // ---- retention ---------------------------------------------------------------------------
+
+    /// Finished operations with no work left (no delivery or receipt to
+    /// retry) whose last change is older than `finished_before`. `uncertain`
+    /// ones wait for an operator and are never archived.
+    pub async fn archivable(&self, finished_before: i64, limit: i64) -> Result<Vec<Operation>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE due_at IS NULL AND poll_at IS NULL AND updated_at < $1 \
+                  AND state IN ('succeeded', 'failed', 'expired', 'cancelled', 'denied', \
+                                'invalid', 'refused', 'unreachable') \
+                  AND (delivery IS NULL OR delivery <> 'pending') AND (receipt IS NULL OR receipt <> 'pending') \
+                  ORDER BY updated_at LIMIT $2"
+            ))
+            .bind(finished_before)
+            .bind(limit)
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(Operation::from_row).collect()
+        })
+    }
+
+    /// Moves one operation into `archived_operations` as `document` and
+    /// deletes its rows (transitions, deliveries, its inbox entry), in one
+    /// transaction, if it is unchanged since it was read.
+    pub async fn archive(&self, op: &Operation, document: &str, now: i64) -> Result<bool, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let mut tx = pool.begin_with(BEGIN).await?;
+            // The archive row first: from its commit on, a replayed callback
+            // finds it, before and after the inbox row is gone.
+            let done = sqlx::query(
+                "INSERT INTO archived_operations (id, tenant, operation_key, fingerprint, decision_id, state, \
+                 finished_at, archived_at, document) \
+                 SELECT id, tenant, operation_key, fingerprint, decision_id, state, updated_at, $3, $4 \
+                 FROM operations WHERE id = $1 AND version = $2",
+            )
+            .bind(&op.id)
+            .bind(op.version)
+            .bind(now)
+            .bind(document)
+            .execute(&mut *tx)
+            .await?;
+            if done.rows_affected() == 0 {
+                tx.rollback().await?;
+                return Ok(false);
+            }
+            for table in ["transitions", "deliveries"] {
+                sqlx::query(AssertSqlSafe(format!("DELETE FROM {table} WHERE operation_id = $1")))
+                    .bind(&op.id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            if let Some(decision) = &op.decision_id {
+                sqlx::query("DELETE FROM inbox WHERE tenant = $1 AND correlation_id = $2")
+                    .bind(&op.tenant)
+                    .bind(decision)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            sqlx::query("DELETE FROM operations WHERE id = $1").bind(&op.id).execute(&mut *tx).await?;
+            tx.commit().await?;
+            Ok(true)
+        })
+    }
+
+    /// An archived operation's state and document, within the tenant when given.
+    pub async fn archived_operation(
+        &self,
+        tenant: Option<&str>,
+        id: &str,
+    ) -> Result<Option<(String, String)>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            Ok(sqlx::query_as(
+                "SELECT state, document FROM archived_operations WHERE id = $1 AND ($2 IS NULL OR tenant = $2)",
+            )
+            .bind(id)
+            .bind(tenant)
+            .fetch_optional(pool)
+            .await?)
+        })
+    }
+
+    /// Callbacks that entered the inbox for an already archived operation
+    /// (a replay racing its archival on PostgreSQL) are duplicates: drop them.
+    pub async fn drop_archived_replays(&self) -> Result<u64, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            Ok(sqlx::query(
+                "DELETE FROM inbox WHERE state = 'new' AND EXISTS (SELECT 1 FROM archived_operations a \
+                   WHERE a.tenant = inbox.tenant AND a.decision_id = inbox.correlation_id)",
+            )
+            .execute(pool)
+            .await?
+            .rows_affected())
+        })
+    }
+
     // ---- inbox ------------------------------------------------------------------------------
 
     /// Commits a verified callback. One row per (tenant, correlation id):
@@ -461,7 +573,8 @@ impl Store {
             let mut tx = pool.begin_with(BEGIN).await?;
             let inserted: Option<i64> = sqlx::query_scalar(
                 "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
-                 received_at) VALUES ($1, $2, $3, $4, $5, $6, $7, 'new', $8) \
+                 received_at) SELECT $1, $2, $3, $4, $5, $6, $7, 'new', $8 WHERE NOT EXISTS ( \
+                   SELECT 1 FROM archived_operations WHERE tenant = $1 AND decision_id = $2) \
                  ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id",
             )
             .bind(e.tenant)
@@ -480,16 +593,17 @@ impl Store {
                     InboxInsert::Stored(id)
                 }
                 None => {
-                    let id: i64 = sqlx::query_scalar(
+                    let id: Option<i64> = sqlx::query_scalar(
                         "UPDATE inbox SET duplicates = duplicates + 1, \
                          state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
                          WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
                     )
                     .bind(e.tenant)
                     .bind(e.correlation_id)
-                    .fetch_one(&mut *tx)
+                    .fetch_optional(&mut *tx)
                     .await?;
-                    InboxInsert::Duplicate(id)
+                    // No row: the operation it answered has been archived.
+                    id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
                 }
             };
             tx.commit().await?;

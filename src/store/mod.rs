@@ -37,6 +37,9 @@ impl From<sqlx::Error> for StoreError {
 pub enum Inserted {
     Created,
     Existing(Box<Operation>),
+    /// The key belongs to an operation already archived: its fingerprint
+    /// and archived document.
+    Archived { fingerprint: String, document: String },
 }
 
 /// Result of committing a callback to the inbox.
@@ -44,6 +47,8 @@ pub enum Inserted {
 pub enum InboxInsert {
     Stored(i64),
     Duplicate(i64),
+    /// A callback for an operation that has been archived: a replay.
+    Archived,
 }
 
 /// A verified answer about to enter the inbox.

@@ -34,6 +34,8 @@ pub struct EngineSettings {
     pub rejection_window_ms: i64,
     pub poll_after_ms: i64,
     pub orphan_after_ms: i64,
+    /// Finished operations older than this are archived; None keeps them.
+    pub archive_after_ms: Option<i64>,
     pub reconcile_every: Duration,
     pub concurrency: usize,
     /// Safety-net poll for work when no wake-up arrives.
@@ -49,6 +51,8 @@ impl EngineSettings {
             rejection_window_ms: secs_ms(c.worker.rejection_delivery_window_secs),
             poll_after_ms: secs_ms(c.reconciler.poll_after_secs),
             orphan_after_ms: secs_ms(c.reconciler.orphan_after_secs),
+            archive_after_ms: (c.retention.archive_after_secs > 0)
+                .then(|| secs_ms(c.retention.archive_after_secs)),
             reconcile_every: Duration::from_secs(c.reconciler.interval_secs),
             concurrency: c.worker.concurrency,
             idle_poll: Duration::from_secs(c.worker.idle_poll_secs),

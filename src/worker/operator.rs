@@ -26,7 +26,12 @@ impl Engine {
         // A worker may move the operation between our read and write; the
         // version check makes us read again instead of overwriting it.
         for _ in 0..5 {
-            let mut op = self.store.get_operation(Some(tenant), id).await?.ok_or(CancelError::NotFound)?;
+            let Some(mut op) = self.store.get_operation(Some(tenant), id).await? else {
+                return Err(match archived_state(&self.store, Some(tenant), id).await? {
+                    Some(state) => CancelError::NotCancellable(state),
+                    None => CancelError::NotFound,
+                });
+            };
             match op.state {
                 State::Enqueued => {}
                 State::Pending => {
@@ -111,7 +116,12 @@ pub async fn resolve(
         if note.trim().is_empty() {
             return Err(ResolveError::NoNote);
         }
-        let mut op = store.get_operation(tenant, id).await?.ok_or(ResolveError::NotFound)?;
+        let Some(mut op) = store.get_operation(tenant, id).await? else {
+            return Err(match archived_state(store, tenant, id).await? {
+                Some(state) => ResolveError::NotUncertain(state),
+                None => ResolveError::NotFound,
+            });
+        };
         if !op.state.operator_can_resolve(to) {
             return Err(ResolveError::NotUncertain(op.state));
         }
@@ -139,4 +149,14 @@ pub async fn resolve(
         }
         Ok(op)
     }
+}
+
+/// The final state of an archived operation: finished, so neither
+/// cancellable nor resolvable, and the caller should hear why.
+async fn archived_state(
+    store: &crate::store::Store,
+    tenant: Option<&str>,
+    id: &str,
+) -> Result<Option<State>, StoreError> {
+    Ok(store.archived_operation(tenant, id).await?.and_then(|(state, _)| state.parse().ok()))
 }

@@ -16,6 +16,7 @@ use crate::store::{InboxInsert, NewInboxEntry, Operation, StoreError};
 
 const ACTOR: &str = "reconciler";
 const BATCH: i64 = 100;
+const ARCHIVE_BATCH: i64 = 500;
 
 /// What one sweep did, for logs and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +26,7 @@ pub struct Sweep {
     pub answers_found: usize,
     pub ended_remotely: usize,
     pub orphaned: u64,
+    pub archived: usize,
 }
 
 impl Engine {
@@ -73,10 +75,32 @@ impl Engine {
         if sweep.orphaned > 0 {
             tracing::warn!(count = sweep.orphaned, "callbacks that match no operation marked orphaned");
         }
+        if let Some(after) = self.settings.archive_after_ms {
+            sweep.archived = self.archive_finished(now - after, now).await?;
+        }
         if sweep.expired + sweep.answers_found + sweep.ended_remotely > 0 {
             self.wake();
         }
         Ok(sweep)
+    }
+
+    /// Archives finished operations last changed before `before`, a batch
+    /// per sweep so a large backlog never holds the store for long.
+    async fn archive_finished(&self, before: i64, now: i64) -> Result<usize, StoreError> {
+        let mut archived = 0;
+        for op in self.store.archivable(before, ARCHIVE_BATCH).await? {
+            let transitions = self.store.transitions(&op.id).await?;
+            let deliveries = self.store.deliveries(&op.id).await?;
+            let mut document = crate::resource::full_view(&op, &transitions, &deliveries);
+            document["archivedAt"] = json!(crate::clock::rfc3339(now));
+            if self.store.archive(&op, &document.to_string(), now).await? {
+                archived += 1;
+            }
+        }
+        // A replay that raced an archival (PostgreSQL) entered the inbox
+        // after the archive row was committed: it is a duplicate.
+        self.store.drop_archived_replays().await?;
+        Ok(archived)
     }
 
     /// pending → expired: cancel the decision at Pushary, then expire.

@@ -123,6 +123,8 @@ pub struct Options {
     /// Point approvald at this Pushary instead of the sandbox.
     pub pushary_base_url: Option<String>,
     pub orphan_after_secs: Option<u64>,
+    /// Archive finished operations this long after their last change.
+    pub archive_after_ms: Option<i64>,
 }
 
 pub struct TestApp {
@@ -221,6 +223,7 @@ impl TestApp {
         );
         let config = Config::from_toml(&toml).expect("test config is valid");
         let manual = opts.manual;
+        let archive_after_ms = opts.archive_after_ms;
         let app = Application::build_with(config, listener, |s: &mut EngineSettings| {
             s.idle_poll = Duration::from_millis(200);
             // The reconciler is driven by tests through reconcile_once.
@@ -228,6 +231,7 @@ impl TestApp {
             if manual {
                 s.concurrency = 0;
             }
+            s.archive_after_ms = archive_after_ms;
         })
         .await
         .expect("approvald builds");

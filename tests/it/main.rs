@@ -39,6 +39,7 @@ mod hostile;
 mod outcomes;
 mod reconciler;
 mod replicas;
+mod retention;
 mod rotation;
 mod scaleout;
 mod sdk;
