@@ -105,7 +105,10 @@ impl Application {
             tenants.insert(t.name.clone(), TenantRuntime { pushary, effects });
         }
         let engine = Arc::new(Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())));
+        let wake = Arc::clone(&engine);
+        let inbox = crate::store::InboxWriter::start(engine.store().clone(), move || wake.wake());
         let state = AppState {
+            inbox,
             callback_slots: Arc::new(tokio::sync::Semaphore::new(config.server.max_concurrent_callbacks)),
             secret_cache: Arc::default(),
             tokens: Arc::new(tokens),

@@ -51,4 +51,3 @@ pub fn full_view(op: &Operation, transitions: &[Transition], deliveries: &[Deliv
         .collect();
     view(op, transitions, Some(Value::Array(deliveries)))
 }
-

@@ -13,7 +13,7 @@ use super::{AppState, DEFAULT_TENANT, read_body};
 use crate::clock::now_ms;
 use crate::error::ApiError;
 use crate::pushary::signature;
-use crate::store::{InboxInsert, NewInboxEntry};
+use crate::store::{InboxInsert, OwnedInboxEntry};
 
 pub const SIGNATURE_HEADER: &str = "x-pushary-signature";
 
@@ -100,14 +100,13 @@ async fn receive(
     let (correlation_id, answer, answered_at) =
         (cb.correlation_id.as_str(), cb.answer.as_str(), cb.answered_at.as_deref());
     let inserted = state
-        .engine
-        .store()
-        .insert_inbox(&NewInboxEntry {
-            tenant: &tenant,
-            correlation_id,
-            answer,
-            answered_at,
-            body: &bytes,
+        .inbox
+        .insert(OwnedInboxEntry {
+            tenant: tenant.clone(),
+            correlation_id: correlation_id.to_string(),
+            answer: answer.to_string(),
+            answered_at: answered_at.map(str::to_string),
+            body: bytes.to_vec(),
             source: "callback",
             received_at: now_ms(),
         })
@@ -117,7 +116,6 @@ async fn receive(
     match inserted {
         InboxInsert::Stored(id) => {
             tracing::info!(tenant, correlation_id, inbox_id = id, "callback stored");
-            state.engine.wake();
             Ok(Json(json!({"status": "stored"})))
         }
         InboxInsert::Duplicate(id) => {

@@ -40,6 +40,8 @@ pub struct AppState {
     pub secret_cache: Arc<std::sync::Mutex<SecretCache>>,
     /// Callbacks in progress; beyond `server.max_concurrent_callbacks`, 503.
     pub callback_slots: Arc<tokio::sync::Semaphore>,
+    /// Group-commits verified callbacks to the inbox.
+    pub inbox: crate::store::InboxWriter,
 }
 
 pub fn router(state: AppState, role: Role) -> Router {

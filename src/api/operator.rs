@@ -7,10 +7,10 @@ use axum::http::HeaderMap;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::resource::view;
 use super::{AppState, authorize, read_body, require_json};
 use crate::clock::rfc3339;
 use crate::error::ApiError;
+use crate::resource::view;
 use crate::store::InboxEntry;
 
 pub(super) async fn resolve(

@@ -6,6 +6,7 @@
 //! every write is a compare-and-set or an upsert that re-checks its
 //! condition on the current row.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{AssertSqlSafe, Row, SqlStr};
 
+use super::inbox_writer::OwnedInboxEntry;
 use super::rows::{DeliveryRecord, InboxEntry, Operation, Transition};
 use super::{InboxInsert, Inserted, NewInboxEntry, OperationFilter, StoreError};
 use crate::config::StoreConfig;
@@ -608,6 +610,104 @@ impl Store {
             };
             tx.commit().await?;
             Ok(result)
+        })
+    }
+
+    /// Commits a batch of verified callbacks in one transaction; one
+    /// result per entry, in order. The same rules as `insert_inbox`: one
+    /// row per (tenant, correlation id), later bodies count as duplicates,
+    /// a callback for an archived operation is a replay.
+    pub async fn insert_inbox_batch(
+        &self,
+        entries: &[OwnedInboxEntry],
+    ) -> Result<Vec<InboxInsert>, StoreError> {
+        // The first of several entries for one decision is the one stored.
+        let mut first: HashMap<(&str, &str), usize> = HashMap::new();
+        let mut unique: Vec<usize> = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            if let std::collections::hash_map::Entry::Vacant(v) =
+                first.entry((e.tenant.as_str(), e.correlation_id.as_str()))
+            {
+                v.insert(i);
+                unique.push(i);
+            }
+        }
+        let mut sql = String::from(
+            "WITH v (tenant, correlation_id, answer, answered_at, body, body_sha256, source, received_at) AS \
+             (VALUES ",
+        );
+        for n in 0..unique.len() {
+            let p = n * 8;
+            if n > 0 {
+                sql.push_str(", ");
+            }
+            sql.push_str(&format!(
+                "(${}, ${}, ${}, ${}, ${}, ${}, ${}, ${})",
+                p + 1,
+                p + 2,
+                p + 3,
+                p + 4,
+                p + 5,
+                p + 6,
+                p + 7,
+                p + 8
+            ));
+        }
+        sql.push_str(
+            ") INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
+             received_at) SELECT tenant, correlation_id, answer, answered_at, body, body_sha256, source, 'new', \
+             received_at FROM v WHERE NOT EXISTS (SELECT 1 FROM archived_operations a \
+               WHERE a.tenant = v.tenant AND a.decision_id = v.correlation_id) \
+             ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id, tenant, correlation_id",
+        );
+        let hashes: Vec<String> =
+            unique.iter().map(|&i| crate::domain::keys::sha256_hex(&entries[i].body)).collect();
+        with_pool!(self, pool, BEGIN, PG => {
+            let mut tx = pool.begin_with(BEGIN).await?;
+            let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(false);
+            for (n, &i) in unique.iter().enumerate() {
+                let e = &entries[i];
+                q = q
+                    .bind(&e.tenant)
+                    .bind(&e.correlation_id)
+                    .bind(&e.answer)
+                    .bind(&e.answered_at)
+                    .bind(&e.body)
+                    .bind(&hashes[n])
+                    .bind(e.source)
+                    .bind(e.received_at);
+            }
+            let mut stored: HashMap<(String, String), i64> = HashMap::new();
+            for row in q.fetch_all(&mut *tx).await? {
+                stored.insert((row.try_get("tenant")?, row.try_get("correlation_id")?), row.try_get("id")?);
+            }
+            let mut results = Vec::with_capacity(entries.len());
+            for (i, e) in entries.iter().enumerate() {
+                let key = (e.tenant.clone(), e.correlation_id.clone());
+                let r = match stored.get(&key) {
+                    Some(&id) if first[&(e.tenant.as_str(), e.correlation_id.as_str())] == i => {
+                        InboxInsert::Stored(id)
+                    }
+                    _ => {
+                        let id: Option<i64> = sqlx::query_scalar(
+                            "UPDATE inbox SET duplicates = duplicates + 1, \
+                             state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
+                             WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
+                        )
+                        .bind(&e.tenant)
+                        .bind(&e.correlation_id)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                        id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
+                    }
+                };
+                results.push(r);
+            }
+            if !stored.is_empty() {
+                notify_work!(PG, tx);
+            }
+            tx.commit().await?;
+            Ok(results)
         })
     }
 

@@ -6,9 +6,11 @@
 //! consumes), so two workers can never both move one operation.
 
 mod db;
+mod inbox_writer;
 mod rows;
 
 pub use db::{Store, WORK_CHANNEL};
+pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, Transition};
 
 #[derive(Debug, thiserror::Error)]
@@ -39,7 +41,10 @@ pub enum Inserted {
     Existing(Box<Operation>),
     /// The key belongs to an operation already archived: its fingerprint
     /// and archived document.
-    Archived { fingerprint: String, document: String },
+    Archived {
+        fingerprint: String,
+        document: String,
+    },
 }
 
 /// Result of committing a callback to the inbox.

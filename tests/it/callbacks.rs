@@ -157,3 +157,53 @@ async fn a_store_that_cannot_commit_answers_503_so_pushary_retries() {
     assert!(!err["detail"].as_str().unwrap_or("").contains(".db"), "no file paths in errors: {err}");
 }
 }
+
+both_engines! {
+async fn callbacks_committed_together_each_get_their_own_answer() {
+    use approvald::store::{InboxInsert, OwnedInboxEntry};
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let entry = |c: &str| OwnedInboxEntry {
+        tenant: "default".into(),
+        correlation_id: c.into(),
+        answer: "yes".into(),
+        answered_at: None,
+        body: format!(r#"{{"correlationId":"{c}","answer":"yes"}}"#).into_bytes(),
+        source: "callback",
+        received_at: 1,
+    };
+    let store = app.store();
+    // One batch: two new decisions, one of them twice.
+    let r = store.insert_inbox_batch(&[entry("dec_a"), entry("dec_b"), entry("dec_a")]).await.expect("batch");
+    let (InboxInsert::Stored(a), InboxInsert::Stored(b)) = (r[0], r[1]) else { panic!("{r:?}") };
+    assert_ne!(a, b);
+    assert_eq!(r[2], InboxInsert::Duplicate(a), "a second body in the same batch is a duplicate");
+    // A later batch: old and new mixed.
+    let r = store.insert_inbox_batch(&[entry("dec_b"), entry("dec_c")]).await.expect("batch");
+    assert_eq!(r[0], InboxInsert::Duplicate(b));
+    assert!(matches!(r[1], InboxInsert::Stored(c) if c > b), "{r:?}");
+    assert_eq!(app.inbox_len().await, 3);
+    let a_row = store.inbox_by_correlation("default", "dec_a").await.expect("store").expect("row");
+    assert_eq!(a_row.duplicates, 1);
+
+    // Through HTTP, concurrently: every decision stored exactly once, every
+    // other copy acknowledged as a duplicate.
+    let mut tasks = Vec::new();
+    for n in 0..60 {
+        let (body, sig) = app.signed_callback(&format!("dec_http_{}", n % 30), "yes");
+        let (http, url) = (app.http.clone(), format!("{}/v1/callbacks/pushary", app.base));
+        tasks.push(tokio::spawn(async move {
+            let r = http.post(url).header("x-pushary-signature", sig).body(body).send().await.expect("send");
+            assert_eq!(r.status().as_u16(), 200);
+            r.json::<serde_json::Value>().await.expect("json")["status"].as_str().expect("status").to_string()
+        }));
+    }
+    let mut stored = 0;
+    for t in tasks {
+        if t.await.expect("task") == "stored" {
+            stored += 1;
+        }
+    }
+    assert_eq!(stored, 30);
+    assert_eq!(app.inbox_len().await, 33);
+}
+}

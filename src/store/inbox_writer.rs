@@ -1,0 +1,104 @@
+//! Group commit for the callback receiver: callbacks arriving together are
+//! committed together, in one transaction, and each is acknowledged only
+//! after the commit that holds it. One fsync then covers many callbacks,
+//! which is what lets ingest outrun single-row commits (docs/performance.md).
+//!
+//! Writers take whatever is queued when they are free (up to `MAX_BATCH`),
+//! so a lone callback is committed at once, with no batching delay. SQLite
+//! has one writer (it serializes writes anyway); PostgreSQL has several, so
+//! one batch is collected while another is being flushed.
+
+use std::sync::Arc;
+
+use tokio::sync::{Mutex, mpsc, oneshot};
+
+use super::{InboxInsert, Store, StoreError};
+
+/// Largest number of callbacks in one transaction.
+pub const MAX_BATCH: usize = 256;
+
+/// A verified callback, owned, on its way to the inbox.
+#[derive(Debug, Clone)]
+pub struct OwnedInboxEntry {
+    pub tenant: String,
+    pub correlation_id: String,
+    pub answer: String,
+    pub answered_at: Option<String>,
+    pub body: Vec<u8>,
+    pub source: &'static str,
+    pub received_at: i64,
+}
+
+type Job = (OwnedInboxEntry, oneshot::Sender<Result<InboxInsert, StoreError>>);
+
+/// The receiver's handle; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct InboxWriter {
+    tx: mpsc::Sender<Job>,
+}
+
+impl InboxWriter {
+    /// Starts the writer tasks. They end when every handle is dropped,
+    /// after committing what was queued.
+    pub fn start(store: Store, on_stored: impl Fn() + Send + Sync + 'static) -> Self {
+        let (tx, rx) = mpsc::channel::<Job>(MAX_BATCH * 4);
+        let rx = Arc::new(Mutex::new(rx));
+        let on_stored = Arc::new(on_stored);
+        let writers = if store.is_postgres() { 4 } else { 1 };
+        for _ in 0..writers {
+            let (store, rx, on_stored) = (store.clone(), Arc::clone(&rx), Arc::clone(&on_stored));
+            tokio::spawn(async move {
+                let mut jobs = Vec::with_capacity(MAX_BATCH);
+                loop {
+                    {
+                        let mut rx = rx.lock().await;
+                        if rx.recv_many(&mut jobs, MAX_BATCH).await == 0 {
+                            return;
+                        }
+                    }
+                    let entries: Vec<OwnedInboxEntry> = jobs.iter().map(|(e, _)| e.clone()).collect();
+                    match store.insert_inbox_batch(&entries).await {
+                        Ok(results) => {
+                            if results.iter().any(|r| matches!(r, InboxInsert::Stored(_))) {
+                                on_stored();
+                            }
+                            for ((_, reply), r) in jobs.drain(..).zip(results) {
+                                let _ = reply.send(Ok(r));
+                            }
+                        }
+                        // One bad entry must not fail its neighbours: retry
+                        // them one by one (in an outage each fails fast).
+                        Err(e) if jobs.len() > 1 => {
+                            tracing::warn!(error = %e, batch = jobs.len(), "inbox batch failed; retrying singly");
+                            for (entry, reply) in jobs.drain(..) {
+                                let r = store.insert_inbox_batch(std::slice::from_ref(&entry)).await;
+                                let r = r.map(|mut v| v.remove(0));
+                                if matches!(r, Ok(InboxInsert::Stored(_))) {
+                                    on_stored();
+                                }
+                                let _ = reply.send(r);
+                            }
+                        }
+                        Err(e) => {
+                            for (_, reply) in jobs.drain(..) {
+                                let _ = reply.send(Err(StoreError::Unavailable(e.to_string())));
+                            }
+                        }
+                    }
+                }
+            });
+        }
+        Self { tx }
+    }
+
+    /// Commits one callback (with whatever else is queued) and returns
+    /// once it is durable.
+    pub async fn insert(&self, entry: OwnedInboxEntry) -> Result<InboxInsert, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send((entry, reply))
+            .await
+            .map_err(|_| StoreError::Unavailable("the inbox writer has stopped".into()))?;
+        answer.await.map_err(|_| StoreError::Unavailable("the inbox writer has stopped".into()))?
+    }
+}
