@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod app;
+pub mod bench;
 pub mod clock;
 pub mod config;
 pub mod dev;

@@ -69,6 +69,9 @@ enum Command {
     /// Manage secrets.
     #[command(subcommand)]
     Secret(SecretCommand),
+    /// Measure ingest, end to end, idle and growth against the database's
+    /// own commit rate, on SQLite and PostgreSQL (docs/performance.md).
+    Bench(approvald::bench::Options),
 }
 
 #[derive(Subcommand)]
@@ -197,6 +200,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let (applied, _) = store.migration_status().await?;
             println!("schema is at version {}", applied.unwrap_or(0));
             Ok(())
+        }
+        Command::Bench(options) => {
+            init_logging("pretty", "warn");
+            approvald::bench::run(options).await
         }
         Command::Ops(cmd) => ops(cmd).await,
         Command::Inbox(cmd) => inbox(cmd).await,

@@ -344,6 +344,12 @@ impl SandboxHandle {
         self.shared.lock().consume_calls(decision_id)
     }
 
+    /// Decisions created and receipts recorded so far; cheap at any size.
+    pub fn counts(&self) -> (usize, usize) {
+        let s = self.shared.lock();
+        (s.decisions.len(), s.receipts_recorded)
+    }
+
     pub fn receipts(&self, permit_id: &str) -> Option<ReceiptView> {
         self.shared.lock().receipt_view(permit_id)
     }

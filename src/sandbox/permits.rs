@@ -176,6 +176,9 @@ impl State {
         let permit = self.permits.get_mut(permit_id).ok_or_else(|| ApiError::not_found("permit"))?;
         permit.reports += 1;
         let duplicate = permit.receipt.is_some();
+        if !duplicate {
+            self.receipts_recorded += 1;
+        }
         let receipt = permit.receipt.get_or_insert_with(|| Receipt {
             outcome: outcome.to_string(),
             summary,

@@ -30,6 +30,8 @@ pub(crate) struct State {
     enrollments: HashMap<String, Enrollment>,
     enrolled: HashSet<String>,
     pub effect: EffectState,
+    /// Permits with a receipt, kept as a count so load tests can watch it cheaply.
+    pub receipts_recorded: usize,
 }
 
 pub(super) struct Decision {
@@ -177,6 +179,7 @@ impl State {
         Self {
             webhook_secret,
             decisions: HashMap::new(),
+            receipts_recorded: 0,
             next_seq: 0,
             idempotency: HashMap::new(),
             consume_calls: HashMap::new(),

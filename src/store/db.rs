@@ -42,6 +42,14 @@ macro_rules! inbox_cols {
 /// statement that opens a write transaction and `$pg` to whether it is
 /// PostgreSQL. The body is compiled once per engine.
 macro_rules! with_pool {
+    // A write: on SQLite, queue for the process's write lock first.
+    ($self:ident, $pool:ident, $begin:ident, $pg:ident, write => $body:block) => {{
+        let _write = match &$self.backend {
+            Backend::Sqlite(_) => Some($self.sqlite_writer.lock().await),
+            Backend::Postgres(_) => None,
+        };
+        with_pool!($self, $pool, $begin, $pg => $body)
+    }};
     ($self:ident, $pool:ident, $begin:ident, $pg:ident => $body:block) => {
         match &$self.backend {
             Backend::Sqlite($pool) => {
@@ -78,6 +86,24 @@ macro_rules! insert_transition {
     };
 }
 
+/// Marks the operations whose answer now waits in the inbox, among the
+/// inbox rows `$lo..=$hi`; evaluates to how many were marked.
+macro_rules! mark_waiting_answers {
+    ($tx:ident, $lo:expr, $hi:expr, $now:expr) => {
+        sqlx::query(
+            "UPDATE operations SET inbox_at = $3 WHERE inbox_at IS NULL AND decision_id IS NOT NULL \
+             AND (tenant, decision_id) IN (SELECT i.tenant, i.correlation_id FROM inbox i \
+               WHERE i.id BETWEEN $1 AND $2 AND i.state = 'new')",
+        )
+        .bind($lo)
+        .bind($hi)
+        .bind($now)
+        .execute(&mut *$tx)
+        .await?
+        .rows_affected()
+    };
+}
+
 /// Wakes workers on every replica (PostgreSQL); delivered at commit.
 macro_rules! notify_work {
     ($pg:ident, $tx:ident) => {
@@ -85,6 +111,14 @@ macro_rules! notify_work {
             sqlx::query("SELECT pg_notify('approvald_work', '')").execute(&mut *$tx).await?;
         }
     };
+}
+
+/// What a batch of callbacks did: one result per entry, and how many
+/// operations now have an answer waiting (zero: no worker need wake).
+#[derive(Debug)]
+pub struct BatchInsert {
+    pub results: Vec<InboxInsert>,
+    pub matched: u64,
 }
 
 /// The channel `notify_work!` signals.
@@ -97,11 +131,13 @@ const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../../migrations/sqlite/0001_init.sql")),
     (2, "webhook secrets", include_str!("../../migrations/sqlite/0002_webhook_secrets.sql")),
     (3, "archive", include_str!("../../migrations/sqlite/0003_archive.sql")),
+    (4, "inbox_at", include_str!("../../migrations/sqlite/0004_inbox_at.sql")),
 ];
 const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../../migrations/postgres/0001_init.sql")),
     (2, "webhook secrets", include_str!("../../migrations/postgres/0002_webhook_secrets.sql")),
     (3, "archive", include_str!("../../migrations/postgres/0003_archive.sql")),
+    (4, "inbox_at", include_str!("../../migrations/postgres/0004_inbox_at.sql")),
 ];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
@@ -125,6 +161,11 @@ enum Backend {
 #[derive(Clone, Debug)]
 pub struct Store {
     backend: Backend,
+    /// SQLite admits one writer at a time and makes the others poll with
+    /// growing sleeps (its busy handler), which under load costs far more
+    /// than the writes. Writers of this process queue here instead, in
+    /// order; the busy timeout remains for other processes (the CLI).
+    sqlite_writer: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Store {
@@ -163,7 +204,7 @@ impl Store {
                 .await?;
             Backend::Sqlite(pool)
         };
-        Ok(Self { backend })
+        Ok(Self { backend, sqlite_writer: std::sync::Arc::default() })
     }
 
     pub fn is_postgres(&self) -> bool {
@@ -221,7 +262,7 @@ impl Store {
 
     /// Inserts a new operation, or returns the one already stored under its key.
     pub async fn insert_operation(&self, op: &Operation, first: &Transition) -> Result<Inserted, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             let mut tx = pool.begin_with(BEGIN).await?;
             // The key of an archived operation is still taken.
             let archived: Option<(String, String)> = sqlx::query_as(
@@ -349,7 +390,7 @@ impl Store {
         transitions: &[Transition],
         inbox: Option<(i64, &str, Option<&str>)>,
     ) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             let mut tx = pool.begin_with(BEGIN).await?;
             let done = sqlx::query(
                 "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
@@ -420,6 +461,23 @@ impl Store {
                 .bind(inbox_id)
                 .execute(&mut *tx)
                 .await?;
+                sqlx::query("UPDATE operations SET inbox_at = NULL WHERE id = $1")
+                    .bind(&op.id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            if op.state == crate::domain::state::State::Pending && op.decision_id.is_some() {
+                // An answer that arrived before the decision id was recorded.
+                sqlx::query(
+                    "UPDATE operations SET inbox_at = (SELECT i.received_at FROM inbox i \
+                       WHERE i.tenant = $1 AND i.correlation_id = $2 AND i.state = 'new') \
+                     WHERE id = $3 AND inbox_at IS NULL",
+                )
+                .bind(&op.tenant)
+                .bind(&op.decision_id)
+                .bind(&op.id)
+                .execute(&mut *tx)
+                .await?;
             }
             tx.commit().await?;
             op.version += 1;
@@ -450,7 +508,7 @@ impl Store {
     }
 
     pub async fn record_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             sqlx::query(
                 "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, \
                  response_body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
@@ -478,7 +536,7 @@ impl Store {
             let rows = sqlx::query(concat!(
                 "SELECT ",
                 op_cols!(),
-                " FROM operations WHERE due_at IS NULL AND poll_at IS NULL AND updated_at < $1 \
+                " FROM operations WHERE due_at IS NULL AND poll_at IS NULL AND inbox_at IS NULL AND updated_at < $1 \
                   AND state IN ('succeeded', 'failed', 'expired', 'cancelled', 'denied', \
                                 'invalid', 'refused', 'unreachable') \
                   AND (delivery IS NULL OR delivery <> 'pending') AND (receipt IS NULL OR receipt <> 'pending') \
@@ -496,7 +554,7 @@ impl Store {
     /// deletes its rows (transitions, deliveries, its inbox entry), in one
     /// transaction, if it is unchanged since it was read.
     pub async fn archive(&self, op: &Operation, document: &str, now: i64) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             let mut tx = pool.begin_with(BEGIN).await?;
             // The archive row first: from its commit on, a replayed callback
             // finds it, before and after the inbox row is gone.
@@ -555,7 +613,7 @@ impl Store {
     /// Callbacks that entered the inbox for an already archived operation
     /// (a replay racing its archival on PostgreSQL) are duplicates: drop them.
     pub async fn drop_archived_replays(&self) -> Result<u64, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             Ok(sqlx::query(
                 "DELETE FROM inbox WHERE state = 'new' AND EXISTS (SELECT 1 FROM archived_operations a \
                    WHERE a.tenant = inbox.tenant AND a.decision_id = inbox.correlation_id)",
@@ -568,59 +626,25 @@ impl Store {
 
     // ---- inbox ------------------------------------------------------------------------------
 
-    /// Commits a verified callback. One row per (tenant, correlation id):
-    /// a decision has one answer, so any later body for it is a duplicate.
+    /// Commits one verified callback (the reconciler's polled answers).
     pub async fn insert_inbox(&self, e: &NewInboxEntry<'_>) -> Result<InboxInsert, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
-            let mut tx = pool.begin_with(BEGIN).await?;
-            let inserted: Option<i64> = sqlx::query_scalar(
-                "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
-                 received_at) SELECT $1, $2, $3, $4, $5, $6, $7, 'new', $8 WHERE NOT EXISTS ( \
-                   SELECT 1 FROM archived_operations WHERE tenant = $1 AND decision_id = $2) \
-                 ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id",
-            )
-            .bind(e.tenant)
-            .bind(e.correlation_id)
-            .bind(e.answer)
-            .bind(e.answered_at)
-            .bind(e.body)
-            .bind(crate::domain::keys::sha256_hex(e.body))
-            .bind(e.source)
-            .bind(e.received_at)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let result = match inserted {
-                Some(id) => {
-                    notify_work!(PG, tx);
-                    InboxInsert::Stored(id)
-                }
-                None => {
-                    let id: Option<i64> = sqlx::query_scalar(
-                        "UPDATE inbox SET duplicates = duplicates + 1, \
-                         state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
-                         WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
-                    )
-                    .bind(e.tenant)
-                    .bind(e.correlation_id)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                    // No row: the operation it answered has been archived.
-                    id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
-                }
-            };
-            tx.commit().await?;
-            Ok(result)
-        })
+        let owned = OwnedInboxEntry {
+            tenant: e.tenant.to_string(),
+            correlation_id: e.correlation_id.to_string(),
+            answer: e.answer.to_string(),
+            answered_at: e.answered_at.map(str::to_string),
+            body: e.body.to_vec(),
+            source: if e.source == "poll" { "poll" } else { "callback" },
+            received_at: e.received_at,
+        };
+        Ok(self.insert_inbox_batch(std::slice::from_ref(&owned)).await?.results.remove(0))
     }
 
     /// Commits a batch of verified callbacks in one transaction; one
     /// result per entry, in order. The same rules as `insert_inbox`: one
     /// row per (tenant, correlation id), later bodies count as duplicates,
     /// a callback for an archived operation is a replay.
-    pub async fn insert_inbox_batch(
-        &self,
-        entries: &[OwnedInboxEntry],
-    ) -> Result<Vec<InboxInsert>, StoreError> {
+    pub async fn insert_inbox_batch(&self, entries: &[OwnedInboxEntry]) -> Result<BatchInsert, StoreError> {
         // The first of several entries for one decision is the one stored.
         let mut first: HashMap<(&str, &str), usize> = HashMap::new();
         let mut unique: Vec<usize> = Vec::with_capacity(entries.len());
@@ -662,7 +686,7 @@ impl Store {
         );
         let hashes: Vec<String> =
             unique.iter().map(|&i| crate::domain::keys::sha256_hex(&entries[i].body)).collect();
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             let mut tx = pool.begin_with(BEGIN).await?;
             let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(false);
             for (n, &i) in unique.iter().enumerate() {
@@ -681,6 +705,7 @@ impl Store {
             for row in q.fetch_all(&mut *tx).await? {
                 stored.insert((row.try_get("tenant")?, row.try_get("correlation_id")?), row.try_get("id")?);
             }
+            let mut revived = Vec::new();
             let mut results = Vec::with_capacity(entries.len());
             for (i, e) in entries.iter().enumerate() {
                 let key = (e.tenant.clone(), e.correlation_id.clone());
@@ -698,16 +723,27 @@ impl Store {
                         .bind(&e.correlation_id)
                         .fetch_optional(&mut *tx)
                         .await?;
+                        // A repeat may find (or revive) a row still waiting:
+                        // make sure its operation is marked.
+                        revived.extend(id);
                         id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
                     }
                 };
                 results.push(r);
             }
-            if !stored.is_empty() {
+            let now = entries.iter().map(|e| e.received_at).max().unwrap_or(0);
+            let mut matched = 0;
+            if let (Some(lo), Some(hi)) = (stored.values().min(), stored.values().max()) {
+                matched += mark_waiting_answers!(tx, *lo, *hi, now);
+            }
+            for id in revived {
+                matched += mark_waiting_answers!(tx, id, id, now);
+            }
+            if matched > 0 {
                 notify_work!(PG, tx);
             }
             tx.commit().await?;
-            Ok(results)
+            Ok(BatchInsert { results, matched })
         })
     }
 
@@ -761,7 +797,7 @@ impl Store {
     /// Marks callbacks that matched no operation for too long. They stay
     /// in the inbox, visible; nothing is deleted.
     pub async fn orphan_unmatched(&self, received_before: i64, now: i64) -> Result<u64, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             let done = sqlx::query(
                 "UPDATE inbox SET state = 'orphaned', processed_at = $2, \
                  note = 'no operation matched this decision in time' \
@@ -778,10 +814,19 @@ impl Store {
 
     /// An orphan whose decision id is now known goes back to work.
     pub async fn revive_orphan(&self, tenant: &str, correlation_id: &str) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             sqlx::query(
                 "UPDATE inbox SET state = 'new', note = 'revived: its operation now knows the decision id' \
                  WHERE tenant = $1 AND correlation_id = $2 AND state = 'orphaned'",
+            )
+            .bind(tenant)
+            .bind(correlation_id)
+            .execute(pool)
+            .await?;
+            sqlx::query(
+                "UPDATE operations SET inbox_at = (SELECT i.received_at FROM inbox i \
+                   WHERE i.tenant = $1 AND i.correlation_id = $2 AND i.state = 'new') \
+                 WHERE tenant = $1 AND decision_id = $2 AND inbox_at IS NULL",
             )
             .bind(tenant)
             .bind(correlation_id)
@@ -814,7 +859,7 @@ impl Store {
         now: i64,
         until: i64,
     ) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             let mut tx = pool.begin_with(BEGIN).await?;
             sqlx::query(
                 "UPDATE webhook_secrets SET valid_until = $3 WHERE tenant = $1 AND secret <> $2 \
@@ -861,9 +906,7 @@ impl Store {
                 "SELECT tenant, thread_id FROM ( \
                    SELECT o.tenant, o.thread_id, o.due_at AS t FROM operations o WHERE o.due_at <= $1 \
                    UNION ALL \
-                   SELECT o.tenant, o.thread_id, i.received_at AS t FROM inbox i \
-                     JOIN operations o ON o.tenant = i.tenant AND o.decision_id = i.correlation_id \
-                     WHERE i.state = 'new') w \
+                   SELECT o.tenant, o.thread_id, o.inbox_at AS t FROM operations o WHERE o.inbox_at IS NOT NULL) w \
                  WHERE NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = w.tenant \
                                    AND l.thread_id = w.thread_id AND l.until > $1) \
                  GROUP BY tenant, thread_id ORDER BY MIN(t) LIMIT $2",
@@ -885,7 +928,7 @@ impl Store {
         now: i64,
         until: i64,
     ) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             let got: Option<String> = sqlx::query_scalar(
                 "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ($1, $2, $3, $5) \
                  ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until \
@@ -911,7 +954,7 @@ impl Store {
         owner: &str,
         until: i64,
     ) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             let done = sqlx::query(
                 "UPDATE thread_leases SET until = $4 WHERE tenant = $1 AND thread_id = $2 AND owner = $3",
             )
@@ -926,7 +969,7 @@ impl Store {
     }
 
     pub async fn release_lease(&self, tenant: &str, thread_id: &str, owner: &str) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             sqlx::query("DELETE FROM thread_leases WHERE tenant = $1 AND thread_id = $2 AND owner = $3")
                 .bind(tenant)
                 .bind(thread_id)
@@ -940,7 +983,7 @@ impl Store {
     /// SQLite serves one node, so at start no other process can hold a
     /// lease: whatever is there was left by a process that died.
     pub async fn release_all_leases(&self) -> Result<u64, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             Ok(sqlx::query("DELETE FROM thread_leases").execute(pool).await?.rows_affected())
         })
     }
@@ -952,16 +995,32 @@ impl Store {
         thread_id: &str,
     ) -> Result<Option<(InboxEntry, Operation)>, StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
-            let row = sqlx::query(
-                "SELECT i.id FROM inbox i JOIN operations o ON o.tenant = i.tenant AND o.decision_id = i.correlation_id \
-                 WHERE i.state = 'new' AND o.tenant = $1 AND o.thread_id = $2 ORDER BY i.id LIMIT 1",
+            // Two lookups by unique keys rather than one join: the plan of a
+            // join depends on statistics, which lag behind an inbox that
+            // grows by thousands a second, and a stale plan scans it.
+            let decisions: Vec<String> = sqlx::query_scalar(
+                "SELECT decision_id FROM operations WHERE tenant = $1 AND thread_id = $2 AND inbox_at IS NOT NULL \
+                 AND decision_id IS NOT NULL",
             )
             .bind(tenant)
             .bind(thread_id)
-            .fetch_optional(pool)
+            .fetch_all(pool)
             .await?;
-            let Some(row) = row else { return Ok(None) };
-            let inbox_id: i64 = row.try_get("id")?;
+            let mut first: Option<i64> = None;
+            for decision in &decisions {
+                let id: Option<i64> = sqlx::query_scalar(
+                    "SELECT id FROM inbox WHERE tenant = $1 AND correlation_id = $2 AND state = 'new'",
+                )
+                .bind(tenant)
+                .bind(decision)
+                .fetch_optional(pool)
+                .await?;
+                first = match (first, id) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            let Some(inbox_id) = first else { return Ok(None) };
             let entry = sqlx::query(concat!("SELECT ", inbox_cols!(), " FROM inbox WHERE id = $1"))
                 .bind(inbox_id)
                 .fetch_one(pool)
@@ -1019,7 +1078,7 @@ impl Store {
         operation_id: Option<&str>,
         at: i64,
     ) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
+        with_pool!(self, pool, BEGIN, PG, write => {
             sqlx::query(
                 "UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5",
             )
@@ -1030,6 +1089,9 @@ impl Store {
             .bind(id)
             .execute(pool)
             .await?;
+            if let Some(op) = operation_id {
+                sqlx::query("UPDATE operations SET inbox_at = NULL WHERE id = $1").bind(op).execute(pool).await?;
+            }
             Ok(())
         })
     }

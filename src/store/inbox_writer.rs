@@ -58,11 +58,11 @@ impl InboxWriter {
                     }
                     let entries: Vec<OwnedInboxEntry> = jobs.iter().map(|(e, _)| e.clone()).collect();
                     match store.insert_inbox_batch(&entries).await {
-                        Ok(results) => {
-                            if results.iter().any(|r| matches!(r, InboxInsert::Stored(_))) {
+                        Ok(batch) => {
+                            if batch.matched > 0 {
                                 on_stored();
                             }
-                            for ((_, reply), r) in jobs.drain(..).zip(results) {
+                            for ((_, reply), r) in jobs.drain(..).zip(batch.results) {
                                 let _ = reply.send(Ok(r));
                             }
                         }
@@ -72,10 +72,10 @@ impl InboxWriter {
                             tracing::warn!(error = %e, batch = jobs.len(), "inbox batch failed; retrying singly");
                             for (entry, reply) in jobs.drain(..) {
                                 let r = store.insert_inbox_batch(std::slice::from_ref(&entry)).await;
-                                let r = r.map(|mut v| v.remove(0));
-                                if matches!(r, Ok(InboxInsert::Stored(_))) {
+                                if r.as_ref().is_ok_and(|b| b.matched > 0) {
                                     on_stored();
                                 }
+                                let r = r.map(|mut b| b.results.remove(0));
                                 let _ = reply.send(r);
                             }
                         }

@@ -9,7 +9,7 @@ mod db;
 mod inbox_writer;
 mod rows;
 
-pub use db::{Store, WORK_CHANNEL};
+pub use db::{BatchInsert, Store, WORK_CHANNEL};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, Transition};
 

@@ -116,8 +116,11 @@ impl Engine {
     }
 
     /// Wakes idle workers: new inbox entries, new operations, new due work.
+    /// Wakes one idle worker (or the next to look, if none is idle). A
+    /// worker that finds more work than it takes wakes the next, so a burst
+    /// wakes as many workers as it needs, and one callback wakes one.
     pub fn wake(&self) {
-        self.wake.notify_waiters();
+        self.wake.notify_one();
     }
 
     /// The delay before retry number `attempt` (1-based), exponential with
@@ -142,8 +145,13 @@ impl Engine {
     pub async fn try_execute_task(&self) -> Result<bool, StoreError> {
         let owner = format!("{}/{}", self.owner, self.next_owner.fetch_add(1, Ordering::Relaxed));
         let now = now_ms();
-        for (tenant, thread) in self.store.threads_with_work(now, 16).await? {
+        let candidates = self.store.threads_with_work(now, 16).await?;
+        let more = candidates.len() > 1;
+        for (tenant, thread) in candidates {
             if self.store.acquire_lease(&tenant, &thread, &owner, now, now + self.settings.lease_ms).await? {
+                if more {
+                    self.wake();
+                }
                 let result = self.work_thread(&tenant, &thread, &owner).await;
                 // Release even after an error, so the thread does not wait out the lease.
                 let released = self.store.release_lease(&tenant, &thread, &owner).await;

@@ -173,12 +173,12 @@ async fn callbacks_committed_together_each_get_their_own_answer() {
     };
     let store = app.store();
     // One batch: two new decisions, one of them twice.
-    let r = store.insert_inbox_batch(&[entry("dec_a"), entry("dec_b"), entry("dec_a")]).await.expect("batch");
+    let r = store.insert_inbox_batch(&[entry("dec_a"), entry("dec_b"), entry("dec_a")]).await.expect("batch").results;
     let (InboxInsert::Stored(a), InboxInsert::Stored(b)) = (r[0], r[1]) else { panic!("{r:?}") };
     assert_ne!(a, b);
     assert_eq!(r[2], InboxInsert::Duplicate(a), "a second body in the same batch is a duplicate");
     // A later batch: old and new mixed.
-    let r = store.insert_inbox_batch(&[entry("dec_b"), entry("dec_c")]).await.expect("batch");
+    let r = store.insert_inbox_batch(&[entry("dec_b"), entry("dec_c")]).await.expect("batch").results;
     assert_eq!(r[0], InboxInsert::Duplicate(b));
     assert!(matches!(r[1], InboxInsert::Stored(c) if c > b), "{r:?}");
     assert_eq!(app.inbox_len().await, 3);

@@ -1,0 +1,390 @@
+//! `approvald bench`: ingest, end to end, idle and growth, on SQLite and
+//! PostgreSQL, each figure beside the database's own single-row commit
+//! rate measured in the same run, interleaved with it. The disks here swing
+//! many-fold between runs, so only the ratios compare across runs.
+
+mod load;
+mod report;
+mod target;
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+use report::{Latencies, Row, print_table};
+use target::{Daemon, Database, Engine};
+
+/// What to run, and how long.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Options {
+    /// Which stores to measure: sqlite, postgres or both.
+    #[arg(long, default_value = "both")]
+    pub store: String,
+    /// A PostgreSQL server URL the bench may create databases on.
+    #[arg(
+        long,
+        env = "APPROVALD_BENCH_PG_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    pub pg_url: String,
+    /// Concurrent ingest clients (and baseline connections on PostgreSQL).
+    #[arg(long, default_value_t = 64)]
+    pub clients: usize,
+    /// Seconds per ingest and baseline run.
+    #[arg(long, default_value_t = 10.0)]
+    pub secs: f64,
+    /// Operations per end-to-end run.
+    #[arg(long, default_value_t = 5000)]
+    pub ops: usize,
+    /// Seconds approvald is left idle.
+    #[arg(long, default_value_t = 60.0)]
+    pub idle_secs: f64,
+    /// Finished operations (and inbox rows) put in the tables for the growth run; 0 skips it.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub growth_rows: u64,
+    /// Seconds of half-speed ingest watching memory; 0 skips it.
+    #[arg(long, default_value_t = 0.0)]
+    pub memory_secs: f64,
+    /// A short run of everything (a smoke test, not a measurement).
+    #[arg(long)]
+    pub quick: bool,
+}
+
+const TOKEN: &str = "bench-token-0123456789";
+
+pub async fn run(mut o: Options) -> anyhow::Result<()> {
+    if o.quick {
+        (o.secs, o.ops, o.idle_secs, o.growth_rows) = (2.0, 300, 3.0, o.growth_rows.min(20_000));
+    }
+    let mut engines = Vec::new();
+    if matches!(o.store.as_str(), "sqlite" | "both") {
+        engines.push(Engine::Sqlite);
+    }
+    if matches!(o.store.as_str(), "postgres" | "both") {
+        use sqlx::Connection;
+        match sqlx::PgConnection::connect(&o.pg_url).await {
+            Ok(c) => {
+                let _ = c.close().await;
+                engines.push(Engine::Postgres { admin_url: o.pg_url.clone() });
+            }
+            Err(e) if o.store == "both" => {
+                eprintln!("SKIPPED PostgreSQL: cannot connect to --pg-url ({e}); measuring SQLite only");
+            }
+            Err(e) => return Err(e).context("connecting to --pg-url"),
+        }
+    }
+    anyhow::ensure!(!engines.is_empty(), "--store must be sqlite, postgres or both");
+    let sync = std::env::var("APPROVALD_STORE__SQLITE_SYNCHRONOUS").unwrap_or_else(|_| "full".into());
+    eprintln!(
+        "approvald bench: {} clients, {} s per run, {} operations per end-to-end run; SQLite synchronous={sync}, \
+         PostgreSQL as configured on the server (fsync and synchronous_commit are its own settings)",
+        o.clients, o.secs, o.ops
+    );
+    let mut rows = Vec::new();
+    for engine in engines {
+        rows.extend(run_engine(&engine, &o).await.with_context(|| format!("bench on {}", engine.name()))?);
+    }
+    println!();
+    print_table(&rows);
+    Ok(())
+}
+
+fn fmt_rate(r: f64) -> String {
+    format!("{r:.0}/s")
+}
+
+async fn run_engine(engine: &Engine, o: &Options) -> anyhow::Result<Vec<Row>> {
+    let name = engine.name();
+    let dir = tempfile::tempdir()?;
+    let db = Database::create(engine, dir.path(), "run").await?;
+    let shutdown = CancellationToken::new();
+    let result = measure(engine, o, &db, dir.path(), &shutdown).await;
+    shutdown.cancel();
+    db.drop_now().await;
+    eprintln!("{name}: done");
+    result
+}
+
+async fn measure(
+    engine: &Engine,
+    o: &Options,
+    db: &Database,
+    dir: &std::path::Path,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Vec<Row>> {
+    let name = engine.name();
+    let pg = matches!(engine, Engine::Postgres { .. });
+    let sandbox = crate::sandbox::start(
+        tokio::net::TcpListener::bind("127.0.0.1:0").await?,
+        crate::sandbox::SandboxConfig::default(),
+        shutdown.clone(),
+    )
+    .await?;
+    let (effect_url, effects) = target::start_effect_target(shutdown.clone()).await?;
+    let port = target::free_port()?;
+    let effect_secret = "whsec_YmVuY2gtZWZmZWN0LXNlY3JldC0wMTIzNDU2Nzg5";
+    let toml = format!(
+        r#"
+        [server]
+        listen = "127.0.0.1:{port}"
+        public_url = "http://127.0.0.1:{port}"
+        max_concurrent_callbacks = 1024
+        [store]
+        url = "{url}"
+        max_connections = {conns}
+        [api]
+        tokens = ["{TOKEN}"]
+        [pushary]
+        base_url = "{base}"
+        api_key = "{key}"
+        webhook_secrets = ["{whsec}"]
+        [worker]
+        concurrency = 64
+        [log]
+        filter = "warn"
+        [effects.bench]
+        url = "{effect_url}"
+        secret = "{effect_secret}"
+        "#,
+        url = db.url,
+        conns = if pg { 32 } else { 8 },
+        base = sandbox.base_url(),
+        key = sandbox.api_key(),
+        whsec = sandbox.webhook_secret(),
+    );
+    let daemon = Daemon::start(dir, &toml, port).await?;
+    let secret = sandbox.webhook_secret();
+    let mut rows = Vec::new();
+    let baseline = |label: &'static str| {
+        let url = db.url.clone();
+        let (clients, secs) = (o.clients, o.secs);
+        async move {
+            let b = load::baseline(&url, clients, secs).await?;
+            eprintln!("{name}: baseline {label}: {b:.0} single-row commits/s");
+            anyhow::Ok(b)
+        }
+    };
+    let row = |figure: &str,
+               value: String,
+               baseline: Option<f64>,
+               ratio: Option<f64>,
+               target: &str,
+               met: Option<bool>| Row {
+        engine: name,
+        figure: figure.to_string(),
+        value,
+        baseline: baseline.map_or("-".into(), fmt_rate),
+        ratio: ratio.map_or("-".into(), |r| format!("{r:.2}×")),
+        target: target.to_string(),
+        met,
+    };
+
+    // Ingest, between two baselines.
+    let b1 = baseline("1").await?;
+    let before = daemon.stats();
+    let full =
+        load::ingest(&daemon.base, &secret, o.clients, o.secs, None, &format!("{name}: ingest")).await?;
+    let after = daemon.stats();
+    let b2 = baseline("2").await?;
+    let b12 = (b1 + b2) / 2.0;
+    let ratio = full.acked_per_sec / b12;
+    let need = if pg { 1.5 } else { 5.0 };
+    rows.push(row(
+        &format!("ingest, {} clients (acked callbacks)", o.clients),
+        fmt_rate(full.acked_per_sec),
+        Some(b12),
+        Some(ratio),
+        &format!("≥ {need}× baseline"),
+        Some(ratio >= need),
+    ));
+    rows.push(row(
+        "ingest ack latency p50 / p99 / p99.9, full speed",
+        format!(
+            "{:.1} / {:.1} / {:.1} ms",
+            full.latency.ms(0.5),
+            full.latency.ms(0.99),
+            full.latency.ms(0.999)
+        ),
+        None,
+        None,
+        "-",
+        None,
+    ));
+    let cpu = after.cpu_secs - before.cpu_secs;
+    rows.push(row(
+        "ingest CPU seconds (approvald) / per 1000 callbacks",
+        format!("{cpu:.1} s / {:.2} s", cpu / (full.latency.len().max(1) as f64 / 1000.0)),
+        None,
+        None,
+        "-",
+        None,
+    ));
+    rows.push(row(
+        "peak RSS during ingest",
+        format!("{:.1} MiB", after.peak_rss_kib as f64 / 1024.0),
+        None,
+        None,
+        "≤ 64 MiB",
+        Some(after.peak_rss_kib <= 64 * 1024),
+    ));
+    if full.errors > 0 {
+        eprintln!("{name}: {} ingest requests failed (not acknowledged)", full.errors);
+    }
+    let half_rate = full.acked_per_sec / 2.0;
+    let half = load::ingest(
+        &daemon.base,
+        &secret,
+        o.clients,
+        o.secs,
+        Some(half_rate),
+        &format!("{name}: ingest at half speed"),
+    )
+    .await?;
+    let p99 = half.latency.ms(0.99);
+    rows.push(row(
+        &format!("ingest ack latency p50 / p99 at half speed ({half_rate:.0}/s)"),
+        format!("{:.1} / {p99:.1} ms", half.latency.ms(0.5)),
+        None,
+        None,
+        "p99 ≤ 25 ms",
+        Some(p99 <= 25.0),
+    ));
+
+    // End to end at full speed, then at half of it.
+    let e2e_tag = format!("e2e{:06x}", rand::random::<u32>() >> 8);
+    eprintln!("{name}: opening {} operations", o.ops);
+    let decisions = load::open_operations(&daemon.base, TOKEN, &sandbox, o.ops, &e2e_tag).await?;
+    let e2e = load::answer_all(&sandbox, &effects, &decisions, None, &format!("{name}: end to end")).await?;
+    let b3 = baseline("3").await?;
+    let b23 = (b2 + b3) / 2.0;
+    let need = if pg { 2000.0 } else { 1000.0 };
+    rows.push(row(
+        &format!("end to end, {} approvals (callback → consume → delivery → receipt)", e2e.count),
+        fmt_rate(e2e.approvals_per_sec),
+        Some(b23),
+        Some(e2e.approvals_per_sec / b23),
+        &format!("≥ {need:.0}/s"),
+        Some(e2e.approvals_per_sec >= need),
+    ));
+    let half_rate = e2e.approvals_per_sec / 2.0;
+    let n = (o.ops / 2).max(1);
+    let decisions = load::open_operations(&daemon.base, TOKEN, &sandbox, n, &format!("{e2e_tag}h")).await?;
+    let slow = load::answer_all(
+        &sandbox,
+        &effects,
+        &decisions,
+        Some(half_rate),
+        &format!("{name}: end to end at half speed"),
+    )
+    .await?;
+    let (p50, p99) = (slow.latency.ms(0.5), slow.latency.ms(0.99));
+    rows.push(row(
+        &format!("callback-to-delivery p50 / p99 at half speed ({half_rate:.0}/s)"),
+        format!("{p50:.1} / {p99:.1} ms"),
+        None,
+        None,
+        if pg { "p50 ≤ 5, p99 ≤ 50 ms" } else { "-" },
+        pg.then_some(p50 <= 5.0 && p99 <= 50.0),
+    ));
+
+    // Idle: nothing to do.
+    wait_quiet(&sandbox).await;
+    let before = daemon.stats();
+    let t = Instant::now();
+    eprintln!("{name}: idle for {} s", o.idle_secs);
+    tokio::time::sleep(Duration::from_secs_f64(o.idle_secs)).await;
+    let after = daemon.stats();
+    let secs = t.elapsed().as_secs_f64();
+    let share = (after.cpu_secs - before.cpu_secs) / secs;
+    rows.push(row(
+        &format!("idle {secs:.0} s: CPU share of one core / wake-ups per s"),
+        format!("{:.2}% / {:.1}", share * 100.0, (after.switches - before.switches) as f64 / secs),
+        None,
+        None,
+        "≤ 0.5%",
+        Some(share <= 0.005),
+    ));
+    let mut pickup = Latencies::default();
+    for i in 0..20 {
+        let d = load::open_operations(&daemon.base, TOKEN, &sandbox, 1, &format!("{e2e_tag}p{i}")).await?;
+        let r =
+            load::answer_all(&sandbox, &effects, &d, None, &format!("{name}: single callback {i}")).await?;
+        pickup.extend(vec![Duration::from_secs_f64(r.latency.ms(0.5) / 1000.0)]);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    rows.push(row(
+        "single new callback after idle: callback-to-delivery p50 / max (20)",
+        format!("{:.1} / {:.1} ms", pickup.ms(0.5), pickup.ms(1.0)),
+        None,
+        None,
+        "p50 ≤ 5 ms",
+        Some(pickup.ms(0.5) <= 5.0),
+    ));
+
+    // Growth: the same end-to-end run with a full store.
+    if o.growth_rows > 0 {
+        load::fill(&db.url, o.growth_rows, &format!("{name}: filling")).await?;
+        let decisions =
+            load::open_operations(&daemon.base, TOKEN, &sandbox, o.ops, &format!("{e2e_tag}g")).await?;
+        let grown = load::answer_all(
+            &sandbox,
+            &effects,
+            &decisions,
+            None,
+            &format!("{name}: end to end, full store"),
+        )
+        .await?;
+        let b4 = baseline("4").await?;
+        let rel = grown.approvals_per_sec / e2e.approvals_per_sec;
+        rows.push(row(
+            &format!("end to end with {} finished rows (vs empty)", o.growth_rows),
+            format!("{} ({:.0}% of empty)", fmt_rate(grown.approvals_per_sec), rel * 100.0),
+            Some((b3 + b4) / 2.0),
+            Some(grown.approvals_per_sec / ((b3 + b4) / 2.0)),
+            "≥ 90% of empty",
+            Some(rel >= 0.9),
+        ));
+    }
+
+    // Memory over a long half-speed ingest.
+    if o.memory_secs > 0.0 {
+        let start = daemon.stats();
+        let rate = full.acked_per_sec / 2.0;
+        let step = 30.0f64.min(o.memory_secs);
+        let mut samples = vec![start.rss_kib];
+        let t = Instant::now();
+        while t.elapsed().as_secs_f64() < o.memory_secs {
+            load::ingest(&daemon.base, &secret, o.clients, step, Some(rate), &format!("{name}: memory run"))
+                .await?;
+            samples.push(daemon.stats().rss_kib);
+        }
+        let mib = |k: u64| k as f64 / 1024.0;
+        let (first, last) = (samples[1.min(samples.len() - 1)], *samples.last().unwrap_or(&0));
+        let peak = daemon.stats().peak_rss_kib;
+        rows.push(row(
+            &format!("RSS over {:.0} s of half-speed ingest: after first step → end (peak)", o.memory_secs),
+            format!("{:.1} → {:.1} MiB ({:.1})", mib(first), mib(last), mib(peak)),
+            None,
+            None,
+            "no growth",
+            Some(last <= first + first / 10),
+        ));
+    }
+    drop(daemon);
+    Ok(rows)
+}
+
+/// Waits until every callback the sandbox sent has been acknowledged, so
+/// the idle measurement starts with nothing in flight.
+async fn wait_quiet(sandbox: &crate::sandbox::SandboxHandle) {
+    let mut last = sandbox.counts();
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = sandbox.counts();
+        if now == last {
+            return;
+        }
+        last = now;
+    }
+}
