@@ -104,15 +104,6 @@ macro_rules! mark_waiting_answers {
     };
 }
 
-/// Wakes workers on every replica (PostgreSQL); delivered at commit.
-macro_rules! notify_work {
-    ($pg:ident, $tx:ident) => {
-        if $pg {
-            sqlx::query("SELECT pg_notify('approvald_work', '')").execute(&mut *$tx).await?;
-        }
-    };
-}
-
 /// What a batch of callbacks did: one result per entry, and how many
 /// operations now have an answer waiting (zero: no worker need wake).
 #[derive(Debug)]
@@ -121,7 +112,7 @@ pub struct BatchInsert {
     pub matched: u64,
 }
 
-/// The channel `notify_work!` signals.
+/// The channel `signal_work` notifies.
 pub const WORK_CHANNEL: &str = "approvald_work";
 
 /// Our migrations table is named for us so no other library's collides.
@@ -166,6 +157,14 @@ pub struct Store {
     /// than the writes. Writers of this process queue here instead, in
     /// order; the busy timeout remains for other processes (the CLI).
     sqlite_writer: std::sync::Arc<tokio::sync::Mutex<()>>,
+    work_signal: std::sync::Arc<WorkSignal>,
+}
+
+/// Coalesces work signals into few NOTIFYs (see `Store::signal_work`).
+#[derive(Debug, Default)]
+struct WorkSignal {
+    again: std::sync::atomic::AtomicBool,
+    running: std::sync::atomic::AtomicBool,
 }
 
 impl Store {
@@ -204,7 +203,7 @@ impl Store {
                 .await?;
             Backend::Sqlite(pool)
         };
-        Ok(Self { backend, sqlite_writer: std::sync::Arc::default() })
+        Ok(Self { backend, sqlite_writer: std::sync::Arc::default(), work_signal: std::sync::Arc::default() })
     }
 
     pub fn is_postgres(&self) -> bool {
@@ -221,6 +220,40 @@ impl Store {
 
     /// Applies pending migrations. Safe to run again, and (PostgreSQL)
     /// from several processes at once: sqlx takes an advisory lock.
+    /// Tells workers on every replica that work was committed (PostgreSQL
+    /// LISTEN/NOTIFY). Sent after the commit, from its own statement, and
+    /// coalesced: a NOTIFY inside a transaction takes a database-wide lock
+    /// held through its commit, which would serialize every committing
+    /// writer behind one fsync at a time. Signals arriving while a NOTIFY is
+    /// in flight become one more NOTIFY, so none is lost.
+    pub fn signal_work(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let Backend::Postgres(pool) = &self.backend else { return };
+        let signal = &self.work_signal;
+        signal.again.store(true, SeqCst);
+        if signal.running.swap(true, SeqCst) {
+            return;
+        }
+        let (pool, signal) = (pool.clone(), std::sync::Arc::clone(signal));
+        tokio::spawn(async move {
+            loop {
+                while signal.again.swap(false, SeqCst) {
+                    let sent =
+                        sqlx::query("SELECT pg_notify($1, '')").bind(WORK_CHANNEL).execute(&pool).await;
+                    if let Err(e) = sent {
+                        // Workers still find the work on their safety-net poll.
+                        tracing::warn!(error = %e, "cannot NOTIFY other replicas of new work");
+                    }
+                }
+                signal.running.store(false, SeqCst);
+                // A signal that came after the last swap and saw `running` set.
+                if !signal.again.load(SeqCst) || signal.running.swap(true, SeqCst) {
+                    return;
+                }
+            }
+        });
+    }
+
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let result = match &self.backend {
             Backend::Sqlite(pool) => migrator(SQLITE_MIGRATIONS).run(pool).await,
@@ -313,8 +346,8 @@ impl Store {
                 return Ok(Inserted::Existing(Box::new(Operation::from_row(&row)?)));
             }
             insert_transition!(tx, &op.id, first).await?;
-                notify_work!(PG, tx);
             tx.commit().await?;
+            self.signal_work();
             Ok(Inserted::Created)
         })
     }
@@ -447,9 +480,7 @@ impl Store {
             for t in transitions {
                 insert_transition!(tx, &op.id, t).await?;
             }
-            if op.due_at.is_some() || op.resume_seq.is_some() {
-                notify_work!(PG, tx);
-            }
+            let notify = op.due_at.is_some() || op.resume_seq.is_some();
             if let Some((inbox_id, state, note)) = inbox {
                 sqlx::query(
                     "UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5",
@@ -480,6 +511,9 @@ impl Store {
                 .await?;
             }
             tx.commit().await?;
+            if notify {
+                self.signal_work();
+            }
             op.version += 1;
             Ok(true)
         })
@@ -739,10 +773,10 @@ impl Store {
             for id in revived {
                 matched += mark_waiting_answers!(tx, id, id, now);
             }
-            if matched > 0 {
-                notify_work!(PG, tx);
-            }
             tx.commit().await?;
+            if matched > 0 {
+                self.signal_work();
+            }
             Ok(BatchInsert { results, matched })
         })
     }

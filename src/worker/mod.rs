@@ -164,12 +164,23 @@ impl Engine {
     }
 
     async fn work_thread(&self, tenant: &str, thread: &str, owner: &str) -> Result<(), StoreError> {
+        // The lease was just taken; renewing it is a write, so it is done
+        // only once a third of it has passed, not before every step (each
+        // step's calls are bounded by timeouts shorter than the lease).
+        let mut renewed = now_ms();
         // Bounded, so one busy thread cannot starve the others.
         for _ in 0..64 {
             let now = now_ms();
-            if !self.store.renew_lease(tenant, thread, owner, now + self.settings.lease_ms).await? {
-                tracing::warn!(tenant, thread_id = thread, "lease lost; leaving the thread to its new owner");
-                return Ok(());
+            if now - renewed >= self.settings.lease_ms / 3 {
+                if !self.store.renew_lease(tenant, thread, owner, now + self.settings.lease_ms).await? {
+                    tracing::warn!(
+                        tenant,
+                        thread_id = thread,
+                        "lease lost; leaving the thread to its new owner"
+                    );
+                    return Ok(());
+                }
+                renewed = now;
             }
             if let Some((entry, op)) = self.store.next_inbox_for_thread(tenant, thread).await? {
                 self.apply_answer(entry, op).await?;
