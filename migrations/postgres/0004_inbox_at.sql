@@ -10,3 +10,5 @@ UPDATE operations SET inbox_at = (
     SELECT MIN(i.received_at) FROM inbox i
     WHERE i.tenant = operations.tenant AND i.correlation_id = operations.decision_id AND i.state = 'new')
 WHERE decision_id IS NOT NULL;
+-- The orphan sweep reads only callbacks old enough to be orphaned.
+CREATE INDEX inbox_new_received ON inbox (received_at) WHERE state = 'new';

@@ -644,17 +644,24 @@ impl Store {
         })
     }
 
-    /// Callbacks that entered the inbox for an already archived operation
-    /// (a replay racing its archival on PostgreSQL) are duplicates: drop them.
-    pub async fn drop_archived_replays(&self) -> Result<u64, StoreError> {
+    /// Callbacks that entered the inbox for one of these archived
+    /// decisions (a replay racing its archival on PostgreSQL) are
+    /// duplicates: drop them. By key, so the cost does not grow with the inbox.
+    pub async fn drop_archived_replays(&self, decisions: &[(String, String)]) -> Result<u64, StoreError> {
         with_pool!(self, pool, BEGIN, PG, write => {
-            Ok(sqlx::query(
-                "DELETE FROM inbox WHERE state = 'new' AND EXISTS (SELECT 1 FROM archived_operations a \
-                   WHERE a.tenant = inbox.tenant AND a.decision_id = inbox.correlation_id)",
-            )
-            .execute(pool)
-            .await?
-            .rows_affected())
+            let mut dropped = 0;
+            for (tenant, decision) in decisions {
+                dropped += sqlx::query(
+                    "DELETE FROM inbox WHERE tenant = $1 AND correlation_id = $2 AND state = 'new' \
+                     AND EXISTS (SELECT 1 FROM archived_operations a WHERE a.tenant = $1 AND a.decision_id = $2)",
+                )
+                .bind(tenant)
+                .bind(decision)
+                .execute(pool)
+                .await?
+                .rows_affected();
+            }
+            Ok(dropped)
         })
     }
 
@@ -936,20 +943,35 @@ impl Store {
     /// operation whose `due_at` has come. Leased threads are skipped.
     pub async fn threads_with_work(&self, now: i64, limit: i64) -> Result<Vec<(String, String)>, StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
+            // Each kind of work is read in its index's order and stops after
+            // `limit` free threads, so the cost does not grow with the backlog.
             let rows = sqlx::query(
-                "SELECT tenant, thread_id FROM ( \
+                "SELECT tenant, thread_id, t FROM ( \
                    SELECT o.tenant, o.thread_id, o.due_at AS t FROM operations o WHERE o.due_at <= $1 \
-                   UNION ALL \
-                   SELECT o.tenant, o.thread_id, o.inbox_at AS t FROM operations o WHERE o.inbox_at IS NOT NULL) w \
-                 WHERE NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = w.tenant \
-                                   AND l.thread_id = w.thread_id AND l.until > $1) \
-                 GROUP BY tenant, thread_id ORDER BY MIN(t) LIMIT $2",
+                     AND NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = o.tenant \
+                                     AND l.thread_id = o.thread_id AND l.until > $1) \
+                     ORDER BY o.due_at LIMIT $2) d \
+                 UNION ALL \
+                 SELECT tenant, thread_id, t FROM ( \
+                   SELECT o.tenant, o.thread_id, o.inbox_at AS t FROM operations o WHERE o.inbox_at IS NOT NULL \
+                     AND NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = o.tenant \
+                                     AND l.thread_id = o.thread_id AND l.until > $1) \
+                     ORDER BY o.inbox_at LIMIT $2) a \
+                 ORDER BY t",
             )
             .bind(now)
             .bind(limit)
             .fetch_all(pool)
             .await?;
-            rows.iter().map(|r| Ok((r.try_get("tenant")?, r.try_get("thread_id")?))).collect()
+            let mut threads: Vec<(String, String)> = Vec::new();
+            for r in &rows {
+                let key: (String, String) = (r.try_get("tenant")?, r.try_get("thread_id")?);
+                if !threads.contains(&key) {
+                    threads.push(key);
+                }
+            }
+            threads.truncate(usize::try_from(limit).unwrap_or(16));
+            Ok(threads)
         })
     }
 

@@ -78,6 +78,9 @@ pub struct Engine {
     pub(crate) wake: Arc<Notify>,
     owner: String,
     next_owner: AtomicU64,
+    /// Decisions archived by the last sweep, whose racing replays the next
+    /// sweep removes (see `reconciler::archive_finished`).
+    pub(crate) archived_last_sweep: std::sync::Mutex<Vec<(String, String)>>,
 }
 
 impl Engine {
@@ -92,7 +95,16 @@ impl Engine {
             .build()
             .expect("an HTTP client with default TLS builds");
         let owner = format!("{}-{:08x}", std::process::id(), rand::random::<u32>());
-        Self { store, tenants, http, settings, wake, owner, next_owner: AtomicU64::new(0) }
+        Self {
+            store,
+            tenants,
+            http,
+            settings,
+            wake,
+            owner,
+            next_owner: AtomicU64::new(0),
+            archived_last_sweep: std::sync::Mutex::default(),
+        }
     }
 
     /// The tenant's Pushary client. A tenant removed from config since its
@@ -278,8 +290,11 @@ impl Engine {
                     continue;
                 }
             }
-            // Sleep until woken, until the earliest scheduled retry, or the safety-net tick.
-            let mut nap = self.settings.idle_poll;
+            // Sleep until woken, until the earliest scheduled retry, or the
+            // safety-net tick. One worker keeps the tick; it wakes the others
+            // when it finds more than it can take, so an idle process wakes
+            // a few times a minute, not once per worker per tick.
+            let mut nap = if index == 0 { self.settings.idle_poll } else { self.settings.idle_poll * 12 };
             if let Ok(Some(at)) = self.store.next_due_at().await {
                 let until = u64::try_from((at - now_ms()).max(1)).unwrap_or(1);
                 nap = nap.min(Duration::from_millis(until));

@@ -87,6 +87,15 @@ impl Engine {
     /// Archives finished operations last changed before `before`, a batch
     /// per sweep so a large backlog never holds the store for long.
     async fn archive_finished(&self, before: i64, now: i64) -> Result<usize, StoreError> {
+        // A replay racing the last sweep's archival (PostgreSQL) may have
+        // entered the inbox after the archive row was committed; it is a
+        // duplicate. By now its transaction has ended, so look for it.
+        let previous =
+            std::mem::take(&mut *self.archived_last_sweep.lock().unwrap_or_else(|p| p.into_inner()));
+        if !previous.is_empty() {
+            self.store.drop_archived_replays(&previous).await?;
+        }
+        let mut decisions = Vec::new();
         let mut archived = 0;
         for op in self.store.archivable(before, ARCHIVE_BATCH).await? {
             let transitions = self.store.transitions(&op.id).await?;
@@ -95,11 +104,10 @@ impl Engine {
             document["archivedAt"] = json!(crate::clock::rfc3339(now));
             if self.store.archive(&op, &document.to_string(), now).await? {
                 archived += 1;
+                decisions.extend(op.decision_id.clone().map(|d| (op.tenant.clone(), d)));
             }
         }
-        // A replay that raced an archival (PostgreSQL) entered the inbox
-        // after the archive row was committed: it is a duplicate.
-        self.store.drop_archived_replays().await?;
+        *self.archived_last_sweep.lock().unwrap_or_else(|p| p.into_inner()) = decisions;
         Ok(archived)
     }
 

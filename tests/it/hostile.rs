@@ -37,7 +37,9 @@ async fn read_status(s: &mut tokio::net::TcpStream) -> (u16, String) {
 both_engines! {
 async fn slow_bodies_time_out_and_a_full_receiver_answers_503() {
     let app = TestApp::spawn_with(Options {
-        server_toml: "request_timeout_secs = 3\nmax_concurrent_callbacks = 1".into(),
+        // Long enough that the stalled request still holds the slot when the
+        // next callback arrives on a loaded machine.
+        server_toml: "request_timeout_secs = 6\nmax_concurrent_callbacks = 1".into(),
         ..Options::default()
     })
     .await;
