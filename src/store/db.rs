@@ -1076,7 +1076,14 @@ impl Store {
                     (a, b) => a.or(b),
                 };
             }
-            let Some(inbox_id) = first else { return Ok(None) };
+            let Some(inbox_id) = first else {
+                if !decisions.is_empty() {
+                    // Marked, yet nothing waits: never expected, but a stale
+                    // mark would make workers take this thread forever.
+                    self.clear_stale_inbox_marks(tenant, &decisions).await?;
+                }
+                return Ok(None);
+            };
             let entry = sqlx::query(concat!("SELECT ", inbox_cols!(), " FROM inbox WHERE id = $1"))
                 .bind(inbox_id)
                 .fetch_one(pool)
@@ -1092,6 +1099,23 @@ impl Store {
             .fetch_one(pool)
             .await?;
             Ok(Some((entry, Operation::from_row(&op)?)))
+        })
+    }
+
+    async fn clear_stale_inbox_marks(&self, tenant: &str, decisions: &[String]) -> Result<(), StoreError> {
+        with_pool!(self, pool, BEGIN, PG, write => {
+            for decision in decisions {
+                sqlx::query(
+                    "UPDATE operations SET inbox_at = NULL WHERE tenant = $1 AND decision_id = $2 \
+                     AND NOT EXISTS (SELECT 1 FROM inbox i WHERE i.tenant = $1 AND i.correlation_id = $2 \
+                       AND i.state = 'new')",
+                )
+                .bind(tenant)
+                .bind(decision)
+                .execute(pool)
+                .await?;
+            }
+            Ok(())
         })
     }
 

@@ -207,3 +207,26 @@ async fn callbacks_committed_together_each_get_their_own_answer() {
     assert_eq!(app.inbox_len().await, 33);
 }
 }
+
+// A waiting-answer mark with nothing waiting behind it (never expected)
+// heals itself instead of making workers take the thread forever.
+both_engines! {
+async fn a_stale_waiting_answer_mark_heals_itself() {
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let id = app.enqueue_ok(&confirm("stale-mark")).await;
+    app.drain().await;
+    assert_eq!(app.get(&id).await["state"], "pending");
+    let sql = "UPDATE operations SET inbox_at = 1 WHERE id = $1";
+    if let Some(pool) = app.store().pg_pool() {
+        sqlx::query(sql).bind(&id).execute(pool).await.expect("mark");
+    } else {
+        let pool = sqlx::SqlitePool::connect(&app.store_url()).await.expect("sqlite");
+        sqlx::query(sql).bind(&id).execute(&pool).await.expect("mark");
+        pool.close().await;
+    }
+    // The thread is offered once, finds nothing, and the mark is gone.
+    assert!(app.engine.try_execute_task().await.expect("store"));
+    assert!(!app.engine.try_execute_task().await.expect("store"), "not offered again");
+    assert_eq!(app.get(&id).await["state"], "pending", "nothing else changed");
+}
+}
