@@ -856,7 +856,7 @@ impl Store {
     /// An orphan whose decision id is now known goes back to work.
     pub async fn revive_orphan(&self, tenant: &str, correlation_id: &str) -> Result<(), StoreError> {
         with_pool!(self, pool, BEGIN, PG, write => {
-            sqlx::query(
+            let revived = sqlx::query(
                 "UPDATE inbox SET state = 'new', note = 'revived: its operation now knows the decision id' \
                  WHERE tenant = $1 AND correlation_id = $2 AND state = 'orphaned'",
             )
@@ -864,6 +864,10 @@ impl Store {
             .bind(correlation_id)
             .execute(pool)
             .await?;
+            // Called after every open; the mark is needed only for a revived row.
+            if revived.rows_affected() == 0 {
+                return Ok(());
+            }
             sqlx::query(
                 "UPDATE operations SET inbox_at = (SELECT i.received_at FROM inbox i \
                    WHERE i.tenant = $1 AND i.correlation_id = $2 AND i.state = 'new') \
@@ -1054,51 +1058,43 @@ impl Store {
             // Two lookups by unique keys rather than one join: the plan of a
             // join depends on statistics, which lag behind an inbox that
             // grows by thousands a second, and a stale plan scans it.
-            let decisions: Vec<String> = sqlx::query_scalar(
-                "SELECT decision_id FROM operations WHERE tenant = $1 AND thread_id = $2 AND inbox_at IS NOT NULL \
-                 AND decision_id IS NOT NULL",
-            )
+            let rows = sqlx::query(concat!(
+                "SELECT ",
+                op_cols!(),
+                " FROM operations WHERE tenant = $1 AND thread_id = $2 AND inbox_at IS NOT NULL \
+                  AND decision_id IS NOT NULL"
+            ))
             .bind(tenant)
             .bind(thread_id)
             .fetch_all(pool)
             .await?;
-            let mut first: Option<i64> = None;
-            for decision in &decisions {
-                let id: Option<i64> = sqlx::query_scalar(
-                    "SELECT id FROM inbox WHERE tenant = $1 AND correlation_id = $2 AND state = 'new'",
-                )
+            let mut first: Option<(InboxEntry, Operation)> = None;
+            let mut decisions = Vec::with_capacity(rows.len());
+            for row in &rows {
+                let op = Operation::from_row(row)?;
+                let decision = op.decision_id.clone().unwrap_or_default();
+                let entry = sqlx::query(concat!(
+                    "SELECT ",
+                    inbox_cols!(),
+                    " FROM inbox WHERE tenant = $1 AND correlation_id = $2 AND state = 'new'"
+                ))
                 .bind(tenant)
-                .bind(decision)
+                .bind(&decision)
                 .fetch_optional(pool)
                 .await?;
-                first = match (first, id) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-            }
-            let Some(inbox_id) = first else {
-                if !decisions.is_empty() {
-                    // Marked, yet nothing waits: never expected, but a stale
-                    // mark would make workers take this thread forever.
-                    self.clear_stale_inbox_marks(tenant, &decisions).await?;
+                decisions.push(decision);
+                if let Some(entry) = entry.as_ref().map(InboxEntry::from_row).transpose()?
+                    && first.as_ref().is_none_or(|(e, _)| entry.id < e.id)
+                {
+                    first = Some((entry, op));
                 }
-                return Ok(None);
-            };
-            let entry = sqlx::query(concat!("SELECT ", inbox_cols!(), " FROM inbox WHERE id = $1"))
-                .bind(inbox_id)
-                .fetch_one(pool)
-                .await?;
-            let entry = InboxEntry::from_row(&entry)?;
-            let op = sqlx::query(concat!(
-                "SELECT ",
-                op_cols!(),
-                " FROM operations WHERE tenant = $1 AND decision_id = $2"
-            ))
-            .bind(tenant)
-            .bind(&entry.correlation_id)
-            .fetch_one(pool)
-            .await?;
-            Ok(Some((entry, Operation::from_row(&op)?)))
+            }
+            if first.is_none() && !decisions.is_empty() {
+                // Marked, yet nothing waits: never expected, but a stale
+                // mark would make workers take this thread forever.
+                self.clear_stale_inbox_marks(tenant, &decisions).await?;
+            }
+            Ok(first)
         })
     }
 
