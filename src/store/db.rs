@@ -15,10 +15,11 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::{AssertSqlSafe, Row, SqlStr};
+use sqlx::{AssertSqlSafe, Connection, Row, SqlStr};
 
 use super::inbox_writer::OwnedInboxEntry;
 use super::rows::{DeliveryRecord, InboxEntry, Operation, Transition};
+use super::sqlite_group::SqliteGroup;
 use super::{InboxInsert, Inserted, NewInboxEntry, OperationFilter, StoreError};
 use crate::config::StoreConfig;
 
@@ -42,13 +43,32 @@ macro_rules! inbox_cols {
 /// statement that opens a write transaction and `$pg` to whether it is
 /// PostgreSQL. The body is compiled once per engine.
 macro_rules! with_pool {
-    // A write: on SQLite, queue for the process's write lock first.
-    ($self:ident, $pool:ident, $begin:ident, $pg:ident, write => $body:block) => {{
-        let _write = match &$self.backend {
-            Backend::Sqlite(_) => Some($self.sqlite_writer.lock().await),
-            Backend::Postgres(_) => None,
-        };
-        with_pool!($self, $pool, $begin, $pg => $body)
+    // A write. On SQLite it takes its turn in the process's group commit
+    // (see `sqlite_group`): `$conn` is inside a transaction that commits
+    // with the writes queued beside it, and the write returns after that
+    // commit. A body that opens its own transaction gets a SAVEPOINT there.
+    ($self:ident, $conn:ident, $pg:ident, write => $body:block) => {{
+        match &$self.backend {
+            Backend::Sqlite(_) => {
+                let group = $self.sqlite_group.as_ref().expect("a SQLite store has a write group");
+                let mut turn = group.turn().await?;
+                let result: Result<_, StoreError> = async {
+                    let $conn: &mut sqlx::SqliteConnection = turn.conn();
+                    #[allow(dead_code)]
+                    const $pg: bool = false;
+                    $body
+                }
+                .await;
+                turn.finish(result).await
+            }
+            Backend::Postgres(pool) => {
+                let mut acquired = pool.acquire().await?;
+                let $conn: &mut sqlx::PgConnection = &mut acquired;
+                #[allow(dead_code)]
+                const $pg: bool = true;
+                $body
+            }
+        }
     }};
     ($self:ident, $pool:ident, $begin:ident, $pg:ident => $body:block) => {
         match &$self.backend {
@@ -123,12 +143,14 @@ const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "webhook secrets", include_str!("../../migrations/sqlite/0002_webhook_secrets.sql")),
     (3, "archive", include_str!("../../migrations/sqlite/0003_archive.sql")),
     (4, "inbox_at", include_str!("../../migrations/sqlite/0004_inbox_at.sql")),
+    (5, "thread work", include_str!("../../migrations/sqlite/0005_thread_work.sql")),
 ];
 const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../../migrations/postgres/0001_init.sql")),
     (2, "webhook secrets", include_str!("../../migrations/postgres/0002_webhook_secrets.sql")),
     (3, "archive", include_str!("../../migrations/postgres/0003_archive.sql")),
     (4, "inbox_at", include_str!("../../migrations/postgres/0004_inbox_at.sql")),
+    (5, "thread work", include_str!("../../migrations/postgres/0005_thread_work.sql")),
 ];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
@@ -153,10 +175,11 @@ enum Backend {
 pub struct Store {
     backend: Backend,
     /// SQLite admits one writer at a time and makes the others poll with
-    /// growing sleeps (its busy handler), which under load costs far more
-    /// than the writes. Writers of this process queue here instead, in
-    /// order; the busy timeout remains for other processes (the CLI).
-    sqlite_writer: std::sync::Arc<tokio::sync::Mutex<()>>,
+    /// growing sleeps (its busy handler), and each commit costs an fsync.
+    /// Writers of this process take turns here instead, in order, and
+    /// commit in groups; the busy timeout remains for other processes (the
+    /// CLI).
+    sqlite_group: Option<std::sync::Arc<SqliteGroup>>,
     work_signal: std::sync::Arc<WorkSignal>,
 }
 
@@ -203,7 +226,11 @@ impl Store {
                 .await?;
             Backend::Sqlite(pool)
         };
-        Ok(Self { backend, sqlite_writer: std::sync::Arc::default(), work_signal: std::sync::Arc::default() })
+        let sqlite_group = match &backend {
+            Backend::Sqlite(pool) => Some(SqliteGroup::new(pool.clone())),
+            Backend::Postgres(_) => None,
+        };
+        Ok(Self { backend, sqlite_group, work_signal: std::sync::Arc::default() })
     }
 
     pub fn is_postgres(&self) -> bool {
@@ -295,8 +322,8 @@ impl Store {
 
     /// Inserts a new operation, or returns the one already stored under its key.
     pub async fn insert_operation(&self, op: &Operation, first: &Transition) -> Result<Inserted, StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
-            let mut tx = pool.begin_with(BEGIN).await?;
+        with_pool!(self, conn, PG, write => {
+            let mut tx = conn.begin().await?;
             // The key of an archived operation is still taken.
             let archived: Option<(String, String)> = sqlx::query_as(
                 "SELECT fingerprint, document FROM archived_operations WHERE tenant = $1 AND operation_key = $2",
@@ -423,8 +450,8 @@ impl Store {
         transitions: &[Transition],
         inbox: Option<(i64, &str, Option<&str>)>,
     ) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
-            let mut tx = pool.begin_with(BEGIN).await?;
+        with_pool!(self, conn, PG, write => {
+            let mut tx = conn.begin().await?;
             let done = sqlx::query(
                 "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
                  outcome_status = $6, result = $7, receipt = $8, receipt_outcome = $9, consume_inflight = $10, \
@@ -542,7 +569,7 @@ impl Store {
     }
 
     pub async fn record_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             sqlx::query(
                 "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, \
                  response_body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
@@ -554,7 +581,7 @@ impl Store {
             .bind(d.status_code)
             .bind(&d.error)
             .bind(&d.response_body)
-            .execute(pool)
+            .execute(&mut *conn)
             .await?;
             Ok(())
         })
@@ -588,8 +615,8 @@ impl Store {
     /// deletes its rows (transitions, deliveries, its inbox entry), in one
     /// transaction, if it is unchanged since it was read.
     pub async fn archive(&self, op: &Operation, document: &str, now: i64) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
-            let mut tx = pool.begin_with(BEGIN).await?;
+        with_pool!(self, conn, PG, write => {
+            let mut tx = conn.begin().await?;
             // The archive row first: from its commit on, a replayed callback
             // finds it, before and after the inbox row is gone.
             let done = sqlx::query(
@@ -648,7 +675,7 @@ impl Store {
     /// decisions (a replay racing its archival on PostgreSQL) are
     /// duplicates: drop them. By key, so the cost does not grow with the inbox.
     pub async fn drop_archived_replays(&self, decisions: &[(String, String)]) -> Result<u64, StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             let mut dropped = 0;
             for (tenant, decision) in decisions {
                 dropped += sqlx::query(
@@ -657,7 +684,7 @@ impl Store {
                 )
                 .bind(tenant)
                 .bind(decision)
-                .execute(pool)
+                .execute(&mut *conn)
                 .await?
                 .rows_affected();
             }
@@ -727,8 +754,8 @@ impl Store {
         );
         let hashes: Vec<String> =
             unique.iter().map(|&i| crate::domain::keys::sha256_hex(&entries[i].body)).collect();
-        with_pool!(self, pool, BEGIN, PG, write => {
-            let mut tx = pool.begin_with(BEGIN).await?;
+        with_pool!(self, conn, PG, write => {
+            let mut tx = conn.begin().await?;
             let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(false);
             for (n, &i) in unique.iter().enumerate() {
                 let e = &entries[i];
@@ -838,7 +865,7 @@ impl Store {
     /// Marks callbacks that matched no operation for too long. They stay
     /// in the inbox, visible; nothing is deleted.
     pub async fn orphan_unmatched(&self, received_before: i64, now: i64) -> Result<u64, StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             let done = sqlx::query(
                 "UPDATE inbox SET state = 'orphaned', processed_at = $2, \
                  note = 'no operation matched this decision in time' \
@@ -847,7 +874,7 @@ impl Store {
             )
             .bind(received_before)
             .bind(now)
-            .execute(pool)
+            .execute(&mut *conn)
             .await?;
             Ok(done.rows_affected())
         })
@@ -855,14 +882,14 @@ impl Store {
 
     /// An orphan whose decision id is now known goes back to work.
     pub async fn revive_orphan(&self, tenant: &str, correlation_id: &str) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             let revived = sqlx::query(
                 "UPDATE inbox SET state = 'new', note = 'revived: its operation now knows the decision id' \
                  WHERE tenant = $1 AND correlation_id = $2 AND state = 'orphaned'",
             )
             .bind(tenant)
             .bind(correlation_id)
-            .execute(pool)
+            .execute(&mut *conn)
             .await?;
             // Called after every open; the mark is needed only for a revived row.
             if revived.rows_affected() == 0 {
@@ -875,7 +902,7 @@ impl Store {
             )
             .bind(tenant)
             .bind(correlation_id)
-            .execute(pool)
+            .execute(&mut *conn)
             .await?;
             Ok(())
         })
@@ -904,8 +931,8 @@ impl Store {
         now: i64,
         until: i64,
     ) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
-            let mut tx = pool.begin_with(BEGIN).await?;
+        with_pool!(self, conn, PG, write => {
+            let mut tx = conn.begin().await?;
             sqlx::query(
                 "UPDATE webhook_secrets SET valid_until = $3 WHERE tenant = $1 AND secret <> $2 \
                  AND (valid_until IS NULL OR valid_until > $3)",
@@ -988,7 +1015,7 @@ impl Store {
         now: i64,
         until: i64,
     ) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             let got: Option<String> = sqlx::query_scalar(
                 "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ($1, $2, $3, $5) \
                  ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until \
@@ -1000,7 +1027,7 @@ impl Store {
             .bind(owner)
             .bind(now)
             .bind(until)
-            .fetch_optional(pool)
+            .fetch_optional(&mut *conn)
             .await?;
             Ok(got.as_deref() == Some(owner))
         })
@@ -1014,7 +1041,7 @@ impl Store {
         owner: &str,
         until: i64,
     ) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             let done = sqlx::query(
                 "UPDATE thread_leases SET until = $4 WHERE tenant = $1 AND thread_id = $2 AND owner = $3",
             )
@@ -1022,19 +1049,19 @@ impl Store {
             .bind(thread_id)
             .bind(owner)
             .bind(until)
-            .execute(pool)
+            .execute(&mut *conn)
             .await?;
             Ok(done.rows_affected() == 1)
         })
     }
 
     pub async fn release_lease(&self, tenant: &str, thread_id: &str, owner: &str) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             sqlx::query("DELETE FROM thread_leases WHERE tenant = $1 AND thread_id = $2 AND owner = $3")
                 .bind(tenant)
                 .bind(thread_id)
                 .bind(owner)
-                .execute(pool)
+                .execute(&mut *conn)
                 .await?;
             Ok(())
         })
@@ -1043,8 +1070,8 @@ impl Store {
     /// SQLite serves one node, so at start no other process can hold a
     /// lease: whatever is there was left by a process that died.
     pub async fn release_all_leases(&self) -> Result<u64, StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
-            Ok(sqlx::query("DELETE FROM thread_leases").execute(pool).await?.rows_affected())
+        with_pool!(self, conn, PG, write => {
+            Ok(sqlx::query("DELETE FROM thread_leases").execute(&mut *conn).await?.rows_affected())
         })
     }
 
@@ -1099,7 +1126,7 @@ impl Store {
     }
 
     async fn clear_stale_inbox_marks(&self, tenant: &str, decisions: &[String]) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             for decision in decisions {
                 sqlx::query(
                     "UPDATE operations SET inbox_at = NULL WHERE tenant = $1 AND decision_id = $2 \
@@ -1108,7 +1135,7 @@ impl Store {
                 )
                 .bind(tenant)
                 .bind(decision)
-                .execute(pool)
+                .execute(&mut *conn)
                 .await?;
             }
             Ok(())
@@ -1154,7 +1181,7 @@ impl Store {
         operation_id: Option<&str>,
         at: i64,
     ) -> Result<(), StoreError> {
-        with_pool!(self, pool, BEGIN, PG, write => {
+        with_pool!(self, conn, PG, write => {
             sqlx::query(
                 "UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5",
             )
@@ -1163,10 +1190,10 @@ impl Store {
             .bind(operation_id)
             .bind(at)
             .bind(id)
-            .execute(pool)
+            .execute(&mut *conn)
             .await?;
             if let Some(op) = operation_id {
-                sqlx::query("UPDATE operations SET inbox_at = NULL WHERE id = $1").bind(op).execute(pool).await?;
+                sqlx::query("UPDATE operations SET inbox_at = NULL WHERE id = $1").bind(op).execute(&mut *conn).await?;
             }
             Ok(())
         })

@@ -8,6 +8,7 @@
 mod db;
 mod inbox_writer;
 mod rows;
+mod sqlite_group;
 
 pub use db::{BatchInsert, Store, WORK_CHANNEL};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};

@@ -155,10 +155,17 @@ impl Engine {
     /// releases it. Returns whether any thread was worked. Tests call this
     /// to drain the queue without sleeping.
     pub async fn try_execute_task(&self) -> Result<bool, StoreError> {
-        let owner = format!("{}/{}", self.owner, self.next_owner.fetch_add(1, Ordering::Relaxed));
+        let turn = self.next_owner.fetch_add(1, Ordering::Relaxed);
+        let owner = format!("{}/{turn}", self.owner);
         let now = now_ms();
-        let candidates = self.store.threads_with_work(now, 16).await?;
+        let mut candidates = self.store.threads_with_work(now, 16).await?;
         let more = candidates.len() > 1;
+        // Workers that look at once see the same candidates; each starts at
+        // a different one, so they do not all race for the oldest thread.
+        if more {
+            let start = usize::try_from(turn).unwrap_or(0) % candidates.len();
+            candidates.rotate_left(start);
+        }
         for (tenant, thread) in candidates {
             if self.store.acquire_lease(&tenant, &thread, &owner, now, now + self.settings.lease_ms).await? {
                 if more {

@@ -1,0 +1,7 @@
+-- A worker holding a thread asks "its next answer" and "its next due step".
+-- With only the global work indexes, the planner walked every operation
+-- with an answer waiting (or a step due) across all threads to find this
+-- thread's: 6.8 ms per look with 3,000 answers queued (approvald bench,
+-- SQLite). These read exactly the thread's rows.
+CREATE INDEX operations_thread_inbox ON operations (tenant, thread_id, inbox_at) WHERE inbox_at IS NOT NULL;
+CREATE INDEX operations_thread_due ON operations (tenant, thread_id, due_at) WHERE due_at IS NOT NULL;
