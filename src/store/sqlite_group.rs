@@ -37,6 +37,8 @@ pub(crate) struct SqliteGroup {
 #[derive(Debug)]
 struct State {
     tx: Option<Transaction<'static, Sqlite>>,
+    /// Turns taken in the open transaction.
+    turns: u32,
     /// Tells the writers of the open transaction how its commit went.
     outcome: watch::Sender<CommitOutcome>,
 }
@@ -53,7 +55,7 @@ impl SqliteGroup {
         let kick = Arc::new(Notify::new());
         let group = Arc::new(Self {
             pool,
-            state: Mutex::new(State { tx: None, outcome: watch::channel(None).0 }),
+            state: Mutex::new(State { tx: None, turns: 0, outcome: watch::channel(None).0 }),
             kick: Arc::clone(&kick),
         });
         tokio::spawn(committer(Arc::downgrade(&group), kick));
@@ -67,6 +69,7 @@ impl SqliteGroup {
         if guard.tx.is_none() {
             guard.tx = Some(self.pool.begin_with("BEGIN IMMEDIATE").await?);
         }
+        guard.turns += 1;
         Ok(Turn { guard, kick: &self.kick })
     }
 }
@@ -118,7 +121,14 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
         let Some(group) = group.upgrade() else { return };
         let mut state = group.state.lock().await;
         let Some(tx) = state.tx.take() else { continue };
+        let started = std::time::Instant::now();
         let result = tx.commit().await.map_err(|e| e.to_string());
+        tracing::trace!(
+            turns = state.turns,
+            commit_us = started.elapsed().as_micros(),
+            "SQLite group commit"
+        );
+        state.turns = 0;
         if let Err(e) = &result {
             tracing::error!(error = %e, "SQLite group commit failed; its writers get the error");
         }

@@ -7,7 +7,7 @@ mod operator;
 mod reconciler;
 mod steps;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -81,6 +81,34 @@ pub struct Engine {
     /// Decisions archived by the last sweep, whose racing replays the next
     /// sweep removes (see `reconciler::archive_finished`).
     pub(crate) archived_last_sweep: std::sync::Mutex<Vec<(String, String)>>,
+    /// Threads a worker of this process is on. The store's lease decides;
+    /// this only spares the store the attempts that would lose to a sibling.
+    working: std::sync::Mutex<HashSet<(String, String)>>,
+}
+
+/// A worker's hold on a thread within this process, let go on drop.
+struct LocalClaim<'a> {
+    set: &'a std::sync::Mutex<HashSet<(String, String)>>,
+    key: (String, String),
+}
+
+impl<'a> LocalClaim<'a> {
+    fn take(
+        set: &'a std::sync::Mutex<HashSet<(String, String)>>,
+        tenant: &str,
+        thread: &str,
+    ) -> Option<Self> {
+        let key = (tenant.to_owned(), thread.to_owned());
+        let fresh = set.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key.clone());
+        // Lazily: a claim built and dropped here would free the holder's key.
+        fresh.then(|| Self { set, key })
+    }
+}
+
+impl Drop for LocalClaim<'_> {
+    fn drop(&mut self) {
+        self.set.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.key);
+    }
 }
 
 impl Engine {
@@ -104,6 +132,7 @@ impl Engine {
             owner,
             next_owner: AtomicU64::new(0),
             archived_last_sweep: std::sync::Mutex::default(),
+            working: std::sync::Mutex::default(),
         }
     }
 
@@ -158,7 +187,12 @@ impl Engine {
         let turn = self.next_owner.fetch_add(1, Ordering::Relaxed);
         let owner = format!("{}/{turn}", self.owner);
         let now = now_ms();
-        let mut candidates = self.store.threads_with_work(now, 16).await?;
+        // Threads our own workers are on still show as having work until
+        // they commit; look past them, or work behind them would wait for
+        // the next wake-up.
+        let busy = self.working.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
+        let limit = 16 + i64::try_from(busy).unwrap_or(0);
+        let mut candidates = self.store.threads_with_work(now, limit).await?;
         let more = candidates.len() > 1;
         // Workers that look at once see the same candidates; each starts at
         // a different one, so they do not all race for the oldest thread.
@@ -167,6 +201,10 @@ impl Engine {
             candidates.rotate_left(start);
         }
         for (tenant, thread) in candidates {
+            // Another worker of this process has the thread: skip it without
+            // asking the store (under load most candidates are such threads,
+            // and every lease attempt is a write).
+            let Some(_claim) = LocalClaim::take(&self.working, &tenant, &thread) else { continue };
             if self.store.acquire_lease(&tenant, &thread, &owner, now, now + self.settings.lease_ms).await? {
                 if more {
                     self.wake();

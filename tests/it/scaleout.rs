@@ -142,7 +142,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
     })
     .await
     .expect("connect");
-    assert_eq!(store.migration_status().await.expect("status"), (Some(4), 4));
+    assert_eq!(store.migration_status().await.expect("status"), (Some(5), 5));
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",
     )
