@@ -11,6 +11,7 @@ pub mod bench;
 pub mod clock;
 pub mod config;
 pub mod dev;
+pub mod doctor;
 pub mod domain;
 pub mod error;
 pub mod fault;

@@ -62,6 +62,7 @@ pub fn router(state: AppState, role: Role) -> Router {
     router
         .route("/healthz", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/readyz", get(ready))
+        .route("/openapi.json", get(openapi))
         .fallback(|| async { ApiError::NotFound { detail: "no such route".into() } })
         .method_not_allowed_fallback(|| async {
             (
@@ -91,6 +92,13 @@ async fn guard(
         Ok(resp) => resp,
         Err(_) => ApiError::Timeout.into_response(),
     }
+}
+
+/// The API description, as checked in (tests hold it to the code).
+pub const OPENAPI: &str = include_str!("../../docs/openapi.json");
+
+async fn openapi() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI)
 }
 
 async fn ready(axum::extract::State(state): axum::extract::State<AppState>) -> impl IntoResponse {

@@ -1,0 +1,1 @@
+//! `approvald doctor`: checks a configuration end to end.

@@ -1,0 +1,1 @@
+//! `approvald doctor` and CLI progress.

@@ -1,0 +1,1 @@
+//! The OpenAPI document (docs/openapi.json) against the running code.

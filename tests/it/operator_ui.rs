@@ -1,0 +1,1 @@
+//! The operator page, metrics, logs and health.
