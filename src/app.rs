@@ -65,13 +65,15 @@ impl Application {
         store: Store,
         settings: impl FnOnce(&Config) -> EngineSettings,
     ) -> anyhow::Result<Self> {
+        let metrics = Arc::new(crate::metrics::Metrics::default());
         let mut tenants = HashMap::new();
         let mut tokens = Vec::new();
         let mut webhook_secrets = HashMap::new();
         for t in config.tenants() {
             let pushary =
                 PusharyClient::new(&config.pushary.base_url, t.api_key.clone(), config.pushary_timeout())
-                    .map_err(|e| anyhow::anyhow!("tenant {}: pushary client: {e}", t.name))?;
+                    .map_err(|e| anyhow::anyhow!("tenant {}: pushary client: {e}", t.name))?
+                    .with_metrics(Arc::clone(&metrics));
             let mut effects = HashMap::new();
             for (name, e) in &t.effects {
                 let secret = e.secret.as_ref().context("effect secret validated at load")?;
@@ -104,7 +106,9 @@ impl Application {
             webhook_secrets.insert(t.name.clone(), t.webhook_secrets.clone());
             tenants.insert(t.name.clone(), TenantRuntime { pushary, effects });
         }
-        let engine = Arc::new(Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())));
+        let engine = Arc::new(
+            Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())).with_metrics(metrics),
+        );
         let wake = Arc::clone(&engine);
         let inbox = crate::store::InboxWriter::start(engine.store().clone(), move || wake.wake());
         let state = AppState {

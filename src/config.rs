@@ -38,6 +38,7 @@ pub struct Config {
     pub worker: WorkerConfig,
     pub reconciler: ReconcilerConfig,
     pub retention: RetentionConfig,
+    pub operator: OperatorConfig,
     pub log: LogConfig,
     #[serde(default)]
     pub effects: BTreeMap<String, EffectConfig>,
@@ -150,6 +151,14 @@ pub struct RetentionConfig {
     pub archive_after_secs: u64,
 }
 
+/// Who may use the operator page (`/operator`): one token, for people.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OperatorConfig {
+    pub token: Option<Secret>,
+    pub token_file: Option<PathBuf>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LogConfig {
@@ -231,6 +240,9 @@ impl Config {
         if let Some(path) = &self.api.tokens_file {
             self.api.tokens.extend(read_lines("api.tokens_file", path)?);
         }
+        if let Some(path) = &self.operator.token_file {
+            self.operator.token = read_lines("operator.token_file", path)?.into_iter().next();
+        }
         if let Some(path) = &self.pushary.api_key_file {
             self.pushary.api_key = read_lines("pushary.api_key_file", path)?.into_iter().next();
         }
@@ -282,6 +294,12 @@ impl Config {
             .map_err(|e| invalid("server.public_url", format!("not a URL: {e}")))?;
         if !matches!(public.scheme(), "http" | "https") {
             return Err(invalid("server.public_url", "must be an http or https URL"));
+        }
+        if self.operator.token.as_ref().is_some_and(|t| t.expose().len() < 16) {
+            return Err(invalid(
+                "operator.token",
+                "must be at least 16 characters (or unset to turn the page off)",
+            ));
         }
         if self.server.max_callback_bytes < 1024 {
             return Err(invalid("server.max_callback_bytes", "must be at least 1024"));

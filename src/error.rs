@@ -45,6 +45,11 @@ impl ApiError {
         ApiError::BadRequest { code, detail: detail.into() }
     }
 
+    /// The stable `code` this error answers with.
+    pub fn code(&self) -> &'static str {
+        self.parts().1
+    }
+
     fn parts(&self) -> (StatusCode, &'static str, String, Option<String>) {
         match self {
             ApiError::Unauthorized { detail } => {

@@ -16,6 +16,8 @@ pub mod domain;
 pub mod error;
 pub mod fault;
 pub mod http;
+pub mod metrics;
+pub mod operator_ui;
 pub mod pushary;
 pub mod resource;
 pub mod rotation;

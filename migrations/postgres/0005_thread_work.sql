@@ -5,3 +5,7 @@
 -- SQLite). These read exactly the thread's rows.
 CREATE INDEX operations_thread_inbox ON operations (tenant, thread_id, inbox_at) WHERE inbox_at IS NOT NULL;
 CREATE INDEX operations_thread_due ON operations (tenant, thread_id, due_at) WHERE due_at IS NOT NULL;
+-- The operator page's inbox chart reads the last hour of callbacks, and
+-- its orphan list and the metrics read orphans, without scanning the inbox.
+CREATE INDEX inbox_received ON inbox (received_at);
+CREATE INDEX inbox_orphaned ON inbox (received_at) WHERE state = 'orphaned';

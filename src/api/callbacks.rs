@@ -59,7 +59,8 @@ pub(super) async fn receive_default(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    receive(state, DEFAULT_TENANT.to_string(), headers, body).await
+    let metrics = std::sync::Arc::clone(&state.engine.metrics);
+    counted(&metrics, receive(state, DEFAULT_TENANT.to_string(), headers, body).await)
 }
 
 /// `/v1/callbacks/pushary/{tenant}`: verified with that tenant's secrets only.
@@ -69,7 +70,24 @@ pub(super) async fn receive_tenant(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    receive(state, tenant, headers, body).await
+    let metrics = std::sync::Arc::clone(&state.engine.metrics);
+    counted(&metrics, receive(state, tenant, headers, body).await)
+}
+
+/// Counts a callback's result: accepted (stored or duplicate) or refused,
+/// by the error code it was answered with.
+fn counted(
+    metrics: &crate::metrics::Metrics,
+    result: Result<Json<Value>, ApiError>,
+) -> Result<Json<Value>, ApiError> {
+    match &result {
+        Ok(Json(v)) => {
+            let status = v.get("status").and_then(Value::as_str).unwrap_or("stored");
+            metrics.inc("approvald_callbacks_accepted_total", &[("result", status)]);
+        }
+        Err(e) => metrics.inc("approvald_callbacks_rejected_total", &[("reason", e.code())]),
+    }
+    result
 }
 
 async fn receive(

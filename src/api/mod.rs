@@ -52,7 +52,8 @@ pub fn router(state: AppState, role: Role) -> Router {
             .route("/v1/operations/{id}", get(operations::show).delete(operations::cancel))
             .route("/v1/operations/{id}/resolve", post(operator::resolve))
             .route("/v1/inbox", get(operator::inbox_list))
-            .route("/v1/inbox/{id}", get(operator::inbox_show));
+            .route("/v1/inbox/{id}", get(operator::inbox_show))
+            .merge(crate::operator_ui::routes());
     }
     if matches!(role, Role::All | Role::Receiver) {
         router = router
@@ -63,6 +64,7 @@ pub fn router(state: AppState, role: Role) -> Router {
         .route("/healthz", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/readyz", get(ready))
         .route("/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::NotFound { detail: "no such route".into() } })
         .method_not_allowed_fallback(|| async {
             (
@@ -101,23 +103,51 @@ async fn openapi() -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI)
 }
 
+/// Prometheus' text format. Counters are this process's; the store's
+/// gauges are read now. A store that cannot be read leaves its gauges out
+/// (and says so in the log) rather than failing the whole scrape.
+async fn metrics(axum::extract::State(state): axum::extract::State<AppState>) -> impl IntoResponse {
+    let store = state.engine.store();
+    let mut gauges = crate::metrics::StoreGauges::default();
+    match (store.operation_counts().await, store.inbox_depth().await) {
+        (Ok(ops), Ok((waiting, orphaned, oldest))) => {
+            gauges.operations_by_state = ops;
+            gauges.inbox_by_state = vec![("new".into(), waiting), ("orphaned".into(), orphaned)];
+            let age_ms = oldest.map_or(0, |o| (crate::clock::now_ms() - o).max(0));
+            gauges.oldest_new_age = Duration::from_millis(u64::try_from(age_ms).unwrap_or(0));
+        }
+        (Err(e), _) | (_, Err(e)) => tracing::warn!(error = %e, "metrics: cannot read the store's gauges"),
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        state.engine.metrics().render(&gauges),
+    )
+}
+
 async fn ready(axum::extract::State(state): axum::extract::State<AppState>) -> impl IntoResponse {
     let store = state.engine.store();
+    let unavailable = || {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(
+                json!({"status": "not_ready", "code": "store_unavailable", "detail": "the store cannot be reached"}),
+            ),
+        )
+    };
+    if store.ping().await.is_err() {
+        return unavailable();
+    }
     match store.migration_status().await {
-        Ok((Some(applied), latest)) if applied >= latest && store.ping().await.is_ok() => {
+        Ok((Some(applied), latest)) if applied >= latest => {
             (StatusCode::OK, axum::Json(json!({"status": "ready", "schema": applied})))
         }
         Ok((applied, latest)) => (
             StatusCode::SERVICE_UNAVAILABLE,
             axum::Json(json!({"status": "not_ready", "code": "migrations_pending",
-                               "detail": format!("schema at {applied:?}, this binary needs {latest}")})),
+                               "detail": format!("schema at {}, this binary needs {latest}; run `approvald migrate`",
+                                                 applied.map_or("none".to_string(), |a| a.to_string()))})),
         ),
-        Err(_) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(
-                json!({"status": "not_ready", "code": "store_unavailable", "detail": "the store cannot be reached"}),
-            ),
-        ),
+        Err(_) => unavailable(),
     }
 }
 

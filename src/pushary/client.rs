@@ -80,6 +80,7 @@ pub struct PusharyClient {
     http: reqwest::Client,
     base_url: String,
     api_key: Secret,
+    metrics: Option<std::sync::Arc<crate::metrics::Metrics>>,
 }
 
 /// Percent-encodes an id as one path segment, like Python's
@@ -105,10 +106,39 @@ impl PusharyClient {
             .connect_timeout(timeout.min(Duration::from_secs(10)))
             .build()
             .map_err(|e| PusharyError::Transport(e.to_string()))?;
-        Ok(Self { http, base_url: base_url.trim_end_matches('/').to_string(), api_key })
+        Ok(Self { http, base_url: base_url.trim_end_matches('/').to_string(), api_key, metrics: None })
+    }
+
+    /// Counts this client's calls (latency and errors) in `metrics`.
+    pub fn with_metrics(mut self, metrics: std::sync::Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     async fn call(
+        &self,
+        name: &'static str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, PusharyError> {
+        let started = std::time::Instant::now();
+        let result = self.send(method, path, body).await;
+        if let Some(m) = &self.metrics {
+            m.observe("approvald_pushary_request_duration_seconds", &[("call", name)], started.elapsed());
+            if let Err(e) = &result {
+                let kind = match e {
+                    PusharyError::Transport(_) => "transport",
+                    PusharyError::Decode(_) => "decode",
+                    PusharyError::Status { .. } => "status",
+                };
+                m.inc("approvald_pushary_errors_total", &[("call", name), ("kind", kind)]);
+            }
+        }
+        result
+    }
+
+    async fn send(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -139,7 +169,7 @@ impl PusharyClient {
     /// `POST /decisions` with a payload built once at enqueue, so every
     /// retry resends identical content under the same idempotency key.
     pub async fn create_decision(&self, payload: &Value) -> Result<CreatedDecision, PusharyError> {
-        Self::parse(self.call(reqwest::Method::POST, "/decisions", Some(payload)).await?)
+        Self::parse(self.call("create_decision", reqwest::Method::POST, "/decisions", Some(payload)).await?)
     }
 
     pub async fn get_decision(&self, id: &str, wait: Option<u32>) -> Result<Decision, PusharyError> {
@@ -147,23 +177,23 @@ impl PusharyClient {
         if let Some(w) = wait {
             path.push_str(&format!("?wait={w}"));
         }
-        Self::parse(self.call(reqwest::Method::GET, &path, None).await?)
+        Self::parse(self.call("get_decision", reqwest::Method::GET, &path, None).await?)
     }
 
     pub async fn answer_decision(&self, id: &str, answer: &str) -> Result<Value, PusharyError> {
         let path = format!("/decisions/{}", encode_segment(id));
-        self.call(reqwest::Method::POST, &path, Some(&json!({ "answer": answer }))).await
+        self.call("answer_decision", reqwest::Method::POST, &path, Some(&json!({ "answer": answer }))).await
     }
 
     pub async fn cancel_decision(&self, id: &str) -> Result<Value, PusharyError> {
         let path = format!("/decisions/{}", encode_segment(id));
-        self.call(reqwest::Method::DELETE, &path, None).await
+        self.call("cancel_decision", reqwest::Method::DELETE, &path, None).await
     }
 
     /// `POST /authorizations/consume`: `body` restates the exact subject the
     /// decision was created with.
     pub async fn consume(&self, body: &Value) -> Result<Permit, PusharyError> {
-        Self::parse(self.call(reqwest::Method::POST, "/authorizations/consume", Some(body)).await?)
+        Self::parse(self.call("consume", reqwest::Method::POST, "/authorizations/consume", Some(body)).await?)
     }
 
     pub async fn record_receipt(
@@ -177,16 +207,16 @@ impl PusharyClient {
         if let Some(s) = summary {
             body["summary"] = json!(s);
         }
-        self.call(reqwest::Method::POST, &path, Some(&body)).await
+        self.call("record_receipt", reqwest::Method::POST, &path, Some(&body)).await
     }
 
     pub async fn webhook_secret(&self) -> Result<Secret, PusharyError> {
-        let v = self.call(reqwest::Method::GET, "/webhook-secret", None).await?;
+        let v = self.call("webhook_secret", reqwest::Method::GET, "/webhook-secret", None).await?;
         secret_field(v)
     }
 
     pub async fn rotate_webhook_secret(&self) -> Result<Secret, PusharyError> {
-        let v = self.call(reqwest::Method::POST, "/webhook-secret", None).await?;
+        let v = self.call("rotate_webhook_secret", reqwest::Method::POST, "/webhook-secret", None).await?;
         secret_field(v)
     }
 }

@@ -166,14 +166,14 @@ fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
 }
 
 #[derive(Clone, Debug)]
-enum Backend {
+pub(super) enum Backend {
     Sqlite(SqlitePool),
     Postgres(PgPool),
 }
 
 #[derive(Clone, Debug)]
 pub struct Store {
-    backend: Backend,
+    pub(super) backend: Backend,
     /// SQLite admits one writer at a time and makes the others poll with
     /// growing sleeps (its busy handler), and each commit costs an fsync.
     /// Writers of this process take turns here instead, in order, and
@@ -285,6 +285,22 @@ impl Store {
         let result = match &self.backend {
             Backend::Sqlite(pool) => migrator(SQLITE_MIGRATIONS).run(pool).await,
             Backend::Postgres(pool) => migrator(POSTGRES_MIGRATIONS).run(pool).await,
+        };
+        result.map_err(|e| StoreError::Migrate(e.to_string()))
+    }
+
+    /// The migrations this binary knows, oldest first: (version, description).
+    pub fn known_migrations(&self) -> Vec<(i64, &'static str)> {
+        let files = if self.is_postgres() { POSTGRES_MIGRATIONS } else { SQLITE_MIGRATIONS };
+        files.iter().map(|(v, d, _)| (*v, *d)).collect()
+    }
+
+    /// Applies pending migrations up to and including `version`, as
+    /// `migrate` does (same lock, same checks); lets the CLI report each.
+    pub async fn migrate_to(&self, version: i64) -> Result<(), StoreError> {
+        let result = match &self.backend {
+            Backend::Sqlite(pool) => migrator(SQLITE_MIGRATIONS).run_to(version, pool).await,
+            Backend::Postgres(pool) => migrator(POSTGRES_MIGRATIONS).run_to(version, pool).await,
         };
         result.map_err(|e| StoreError::Migrate(e.to_string()))
     }

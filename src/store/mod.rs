@@ -5,13 +5,16 @@
 //! the same transaction as its transition rows (and the inbox row it
 //! consumes), so two workers can never both move one operation.
 
+#[macro_use]
 mod db;
 mod inbox_writer;
+mod insights;
 mod rows;
 mod sqlite_group;
 
 pub use db::{BatchInsert, Store, WORK_CHANNEL};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
+pub use insights::{Activity, OperatorFilter};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, Transition};
 
 #[derive(Debug, thiserror::Error)]

@@ -138,6 +138,15 @@ impl Engine {
                 }
             }
         };
+        let class = match record.status_code {
+            None => "transport",
+            Some(200..=299) => "2xx",
+            Some(400..=499) => "4xx",
+            Some(500..=599) => "5xx",
+            Some(_) => "other",
+        };
+        self.metrics.observe("approvald_delivery_duration_seconds", &[("outcome", class)], clock.elapsed());
+        self.metrics.inc("approvald_deliveries_total", &[("outcome", class)]);
         record.duration_ms = Some(i64::try_from(clock.elapsed().as_millis()).unwrap_or(i64::MAX));
         self.store.record_delivery(&record).await?;
         Ok(outcome)

@@ -84,6 +84,7 @@ pub struct Engine {
     /// Threads a worker of this process is on. The store's lease decides;
     /// this only spares the store the attempts that would lose to a sibling.
     working: std::sync::Mutex<HashSet<(String, String)>>,
+    pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// A worker's hold on a thread within this process, let go on drop.
@@ -133,7 +134,18 @@ impl Engine {
             next_owner: AtomicU64::new(0),
             archived_last_sweep: std::sync::Mutex::default(),
             working: std::sync::Mutex::default(),
+            metrics: Arc::default(),
         }
+    }
+
+    /// Counts into `metrics` (shared with the HTTP side and the Pushary clients).
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
     }
 
     /// The tenant's Pushary client. A tenant removed from config since its

@@ -81,6 +81,18 @@ impl Engine {
         if sweep.expired + sweep.answers_found + sweep.ended_remotely > 0 {
             self.wake();
         }
+        let m = &self.metrics;
+        m.inc("approvald_reconciler_sweeps_total", &[]);
+        for (kind, n) in [
+            ("expired", sweep.expired as u64),
+            ("polled", sweep.polled as u64),
+            ("answers_found", sweep.answers_found as u64),
+            ("ended_remotely", sweep.ended_remotely as u64),
+            ("orphaned", sweep.orphaned),
+            ("archived", sweep.archived as u64),
+        ] {
+            m.add("approvald_reconciler_swept_total", &[("kind", kind)], n);
+        }
         Ok(sweep)
     }
 

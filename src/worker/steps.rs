@@ -20,6 +20,8 @@ pub(crate) fn transition(op: &mut Operation, to: State, cause: impl Into<String>
     debug_assert!(op.state.can_become(to), "{} -> {}", op.state, to);
     let now = now_ms();
     let t = Transition::new(Some(op.state), to, now, cause, actor);
+    // The operation, thread and decision ids come from the caller's span.
+    tracing::info!(from = %op.state, to = %to, cause = %t.cause, "transition");
     op.state = to;
     op.updated_at = now;
     t
@@ -48,7 +50,14 @@ pub(crate) fn needs_work(op: &Operation) -> bool {
 
 impl Engine {
     /// Applies an inbox entry to the operation its correlation id names.
-    pub(crate) async fn apply_answer(&self, entry: InboxEntry, mut op: Operation) -> Result<(), StoreError> {
+    pub(crate) async fn apply_answer(&self, entry: InboxEntry, op: Operation) -> Result<(), StoreError> {
+        // Every line logged while resuming carries the three ids.
+        let span = tracing::info_span!("resume", operation_id = %op.id, thread_id = %op.thread_id,
+            correlation_id = %entry.correlation_id, inbox_id = entry.id);
+        self.apply_answer_inner(entry, op).instrument(span).await
+    }
+
+    async fn apply_answer_inner(&self, entry: InboxEntry, mut op: Operation) -> Result<(), StoreError> {
         let now = now_ms();
         if op.state != State::Pending {
             // Already answered, expired or cancelled: the callback changes nothing.
@@ -82,6 +91,7 @@ impl Engine {
         }
         if self.store.save(&mut op, &[t], Some((entry.id, "processed", Some(note)))).await? {
             tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %entry.correlation_id, state = %op.state, "answer applied");
+            self.metrics.inc("approvald_resumes_total", &[("state", op.state.as_str())]);
         }
         Ok(())
     }

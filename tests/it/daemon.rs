@@ -83,8 +83,7 @@ lease_secs = 10
 [reconciler]
 interval_secs = 1
 poll_after_secs = 2
-[log]
-filter = "warn"
+{log}
 [effects.orders]
 url = "{effect}"
 secret = "{effect_secret}"
@@ -95,6 +94,8 @@ timeout_secs = 3
                 key = sandbox.api_key(),
                 whsec = sandbox.webhook_secret(),
                 effect = sandbox.effect_url(),
+                // A test may bring its own [log] table.
+                log = if extra.contains("[log]") { "" } else { "[log]\nfilter = \"warn\"" },
             ),
         )
         .expect("write config");
