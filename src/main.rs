@@ -2,11 +2,14 @@
 
 #![forbid(unsafe_code)]
 
+use std::io::{IsTerminal as _, Write as _};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 
 use approvald::app::{Application, init_logging, shutdown_on_signal};
 use approvald::config::{Config, StoreConfig};
+use approvald::doctor::redact_url;
 use approvald::domain::state::State;
 use approvald::store::{OperationFilter, Store};
 use clap::{Args, Parser, Subcommand};
@@ -60,6 +63,10 @@ enum Command {
     },
     /// Create or upgrade the store's schema (safe to run again).
     Migrate(ConfigArg),
+    /// Check the configuration, the store and its migrations, Pushary (reachable,
+    /// API key accepted), the webhook secrets and the public URL, and say
+    /// exactly what to fix. Exits non-zero if any check fails.
+    Doctor(ConfigArg),
     /// Inspect operations, and resolve the uncertain ones.
     #[command(subcommand)]
     Ops(OpsCommand),
@@ -195,10 +202,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Migrate(c) => {
             let config = Config::load(c.config.as_deref())?;
-            let store = Store::connect(&config.store).await?;
-            store.migrate().await?;
-            let (applied, _) = store.migration_status().await?;
-            println!("schema is at version {}", applied.unwrap_or(0));
+            migrate(&config).await
+        }
+        Command::Doctor(c) => {
+            let mut progress = Progress::new();
+            let report = approvald::doctor::run(c.config.as_deref(), |step| {
+                progress.status(&format!("doctor: {step}"))
+            })
+            .await;
+            progress.clear();
+            print!("{report}");
+            if report.failed() {
+                anyhow::bail!("doctor: {} check(s) failed", report.count(approvald::doctor::Status::Fail));
+            }
             Ok(())
         }
         Command::Bench(options) => {
@@ -209,12 +225,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Inbox(cmd) => inbox(cmd).await,
         Command::Secret(SecretCommand::Rotate { config, tenant, overlap_secs }) => {
             let config = Config::load(config.config.as_deref())?;
+            let mut progress = Progress::new();
+            progress.line(&format!(
+                "approvald: rotating the webhook secret of tenant `{tenant}`: store {}, then Pushary at {} \
+                 (timeout {} s)",
+                redact_url(&config.store.url),
+                redact_url(&config.pushary.base_url),
+                config.pushary.timeout_secs
+            ));
+            progress
+                .status("rotating: opening and migrating the store, asking Pushary, storing the new secret");
+            let started = Instant::now();
             let until = approvald::rotation::rotate_webhook_secret(
                 &config,
                 &tenant,
                 std::time::Duration::from_secs(overlap_secs),
             )
             .await?;
+            progress.line(&format!("approvald: rotated in {} ms", started.elapsed().as_millis()));
             println!(
                 "rotated the webhook secret of tenant `{tenant}`; the new one is in approvald's store (not printed); \
                  previous secrets are accepted until {}",
@@ -225,7 +253,99 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
-async fn open_store(arg: &StoreArg) -> anyhow::Result<Store> {
+/// Status on stderr for CLI steps that can take a while; stdout carries
+/// only the command's output. On a terminal, `status` rewrites one line in
+/// place and it is erased when the step ends (or the command does); when
+/// stderr is not a terminal, `status` prints nothing, so scripts and logs
+/// see only the `line`s, which are always printed.
+struct Progress {
+    tty: bool,
+    shown: bool,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Self { tty: std::io::stderr().is_terminal(), shown: false }
+    }
+
+    /// A transient status line: "what is happening now".
+    fn status(&mut self, msg: &str) {
+        if self.tty {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[2K{}…", clip(msg, 100));
+            let _ = err.flush();
+            self.shown = true;
+        }
+    }
+
+    /// A line kept in the output, terminal or not.
+    fn line(&mut self, msg: &str) {
+        self.clear();
+        eprintln!("{msg}");
+    }
+
+    fn clear(&mut self) {
+        if self.shown {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[2K");
+            let _ = err.flush();
+            self.shown = false;
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// `approvald migrate`: applies each pending migration in turn and reports
+/// it with its time on stderr; stdout gets the final version only.
+async fn migrate(config: &Config) -> anyhow::Result<()> {
+    let mut progress = Progress::new();
+    progress.status(&format!("opening the store {}", redact_url(&config.store.url)));
+    let store = Store::connect(&config.store).await?;
+    let (applied, latest) = store.migration_status().await?;
+    let pending: Vec<(i64, &str)> =
+        store.known_migrations().into_iter().filter(|(v, _)| applied.is_none_or(|a| *v > a)).collect();
+    if pending.is_empty() {
+        progress.line(&format!(
+            "approvald: {} is at version {}; nothing to apply",
+            redact_url(&config.store.url),
+            applied.unwrap_or(0)
+        ));
+    } else {
+        progress.line(&format!(
+            "approvald: {} is at version {}; applying {} migration(s) up to {latest}",
+            redact_url(&config.store.url),
+            applied.unwrap_or(0),
+            pending.len()
+        ));
+    }
+    let total = Instant::now();
+    for (version, description) in &pending {
+        progress.status(&format!("applying migration {version} ({description})"));
+        let started = Instant::now();
+        store.migrate_to(*version).await?;
+        progress.line(&format!(
+            "approvald: migration {version} ({description}) done in {} ms",
+            started.elapsed().as_millis()
+        ));
+    }
+    // Anything a concurrent `migrate` left, and the checks sqlx makes on
+    // the applied ones (a no-op when all is done).
+    store.migrate().await?;
+    let (applied, _) = store.migration_status().await?;
+    if !pending.is_empty() {
+        progress.line(&format!("approvald: migrated in {} ms", total.elapsed().as_millis()));
+    }
+    store.close().await;
+    println!("schema is at version {}", applied.unwrap_or(0));
+    Ok(())
+}
+
+async fn open_store(arg: &StoreArg, progress: &mut Progress) -> anyhow::Result<Store> {
     let store_config = match &arg.db {
         Some(path) => {
             if !path.exists() {
@@ -240,10 +360,12 @@ async fn open_store(arg: &StoreArg) -> anyhow::Result<Store> {
         }
         None => Config::load(arg.config.config.as_deref())?.store,
     };
+    progress.status(&format!("opening the store {}", redact_url(&store_config.url)));
     Ok(Store::connect(&store_config).await?)
 }
 
 async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
+    let mut progress = Progress::new();
     match cmd {
         OpsCommand::List { store, state, thread, limit } => {
             let state =
@@ -251,10 +373,12 @@ async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
             if !(1..=10_000).contains(&limit) {
                 anyhow::bail!("--limit: must be between 1 and 10000");
             }
-            let store = open_store(&store).await?;
+            let store = open_store(&store, &mut progress).await?;
+            progress.status("reading operations");
             let ops = store
                 .list_operations(&OperationFilter { tenant: None, state, thread_id: thread, limit })
                 .await?;
+            progress.clear();
             println!("{:<30} {:<12} {:<20} {:<20} {:<24}", "ID", "STATE", "THREAD", "KEY", "UPDATED");
             for op in &ops {
                 println!(
@@ -267,11 +391,17 @@ async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
                 );
             }
             println!("{} operation(s)", ops.len());
+            if ops.len() as i64 == limit {
+                eprintln!("approvald: showing the newest {limit}; there may be more (--limit)");
+            }
             Ok(())
         }
         OpsCommand::Show { store, id } => {
-            let store = open_store(&store).await?;
-            let Some(op) = store.get_operation(None, &id).await? else {
+            let store = open_store(&store, &mut progress).await?;
+            progress.status(&format!("reading operation {id}"));
+            let found = store.get_operation(None, &id).await?;
+            progress.clear();
+            let Some(op) = found else {
                 let (_, document) = store
                     .archived_operation(None, &id)
                     .await?
@@ -329,7 +459,8 @@ async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
             Ok(())
         }
         OpsCommand::Resolve { store, id, outcome, note, by } => {
-            let store = open_store(&store).await?;
+            let store = open_store(&store, &mut progress).await?;
+            progress.status(&format!("resolving {id}"));
             let op =
                 approvald::worker::resolve(&store, None, &id, &outcome, &note, &by).await.map_err(|e| {
                     use approvald::worker::ResolveError as R;
@@ -339,6 +470,7 @@ async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
                         other => anyhow::anyhow!("{other}"),
                     }
                 })?;
+            progress.clear();
             println!("{} is now {} (resolved by {by})", op.id, op.state);
             Ok(())
         }
@@ -347,6 +479,7 @@ async fn ops(cmd: OpsCommand) -> anyhow::Result<()> {
 
 async fn inbox(cmd: InboxCommand) -> anyhow::Result<()> {
     let ts = approvald::clock::rfc3339;
+    let mut progress = Progress::new();
     match cmd {
         InboxCommand::List { store, state, limit } => {
             if state.as_deref().is_some_and(|s| !matches!(s, "new" | "processed" | "ignored" | "orphaned")) {
@@ -355,8 +488,10 @@ async fn inbox(cmd: InboxCommand) -> anyhow::Result<()> {
             if !(1..=10_000).contains(&limit) {
                 anyhow::bail!("--limit: must be between 1 and 10000");
             }
-            let store = open_store(&store).await?;
+            let store = open_store(&store, &mut progress).await?;
+            progress.status("reading the inbox");
             let entries = store.list_inbox(state.as_deref(), limit).await?;
+            progress.clear();
             println!(
                 "{:>6} {:<10} {:<30} {:<9} {:>4} {:<24} {:<30}",
                 "ID", "STATE", "CORRELATION", "SOURCE", "DUPS", "RECEIVED", "OPERATION"
@@ -374,12 +509,17 @@ async fn inbox(cmd: InboxCommand) -> anyhow::Result<()> {
                 );
             }
             println!("{} entr{}", entries.len(), if entries.len() == 1 { "y" } else { "ies" });
+            if entries.len() as i64 == limit {
+                eprintln!("approvald: showing the newest {limit}; there may be more (--limit)");
+            }
             Ok(())
         }
         InboxCommand::Show { store, id } => {
-            let store = open_store(&store).await?;
+            let store = open_store(&store, &mut progress).await?;
+            progress.status(&format!("reading inbox entry {id}"));
             let (e, body) =
                 store.inbox_entry(id).await?.ok_or_else(|| anyhow::anyhow!("no inbox entry {id}"))?;
+            progress.clear();
             println!("entry       {}", e.id);
             println!("state       {}", e.state);
             println!("correlation {}", e.correlation_id);

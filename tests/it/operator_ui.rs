@@ -141,7 +141,7 @@ async fn every_log_line_of_a_resume_names_the_operation_thread_and_decision() {
         let target = v["target"].as_str().unwrap_or("");
         // The resume: the worker's steps and deliveries (the reconciler's
         // sweeps and the receiver are not part of it).
-        if !(target.starts_with("approvald::worker") && !target.ends_with("reconciler")) {
+        if !target.starts_with("approvald::worker") || target.ends_with("reconciler") {
             continue;
         }
         resume_lines += 1;
@@ -201,10 +201,10 @@ impl Browser {
         let start = Instant::now();
         loop {
             let ready = http.get(format!("{base}/status")).send().await;
-            if let Ok(r) = ready {
-                if r.json::<Value>().await.is_ok_and(|v| v["value"]["ready"] == true) {
-                    break;
-                }
+            if let Ok(r) = ready
+                && r.json::<Value>().await.is_ok_and(|v| v["value"]["ready"] == true)
+            {
+                break;
             }
             assert!(start.elapsed() < WAIT, "chromedriver never became ready");
             tokio::time::sleep(Duration::from_millis(50)).await;
