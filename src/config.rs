@@ -23,6 +23,19 @@ pub enum ConfigError {
     Invalid { key: String, problem: String },
 }
 
+/// A TOML syntax error quotes the offending line, which may hold a secret
+/// (`api_key = "…`); keep where and what, drop the quoted source.
+fn without_source_lines(message: &str) -> String {
+    message
+        .lines()
+        .filter(|l| {
+            let t = l.trim_start().trim_start_matches(|c: char| c.is_ascii_digit()).trim_start();
+            !t.is_empty() && !t.starts_with('|')
+        })
+        .collect::<Vec<_>>()
+        .join(": ")
+}
+
 fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key: key.into(), problem: problem.into() }
 }
@@ -228,7 +241,7 @@ impl Config {
         // figment's error names the key path but never the value, so no secret leaks.
         let mut config: Config = figment.extract().map_err(|e| {
             let key = e.path.join(".");
-            let kind = e.kind.to_string();
+            let kind = without_source_lines(&e.kind.to_string());
             if key.is_empty() { ConfigError::Load(kind) } else { invalid(key, kind) }
         })?;
         config.resolve_secret_files()?;
@@ -550,6 +563,14 @@ mod tests {
         [pushary]
         api_key = "pk_test.abc"
     "#;
+
+    #[test]
+    fn a_toml_syntax_error_says_where_without_quoting_the_line() {
+        let err = Config::from_toml("[pushary]\napi_key = \"pk_x.topsecretvalue\n").expect_err("broken");
+        let text = err.to_string();
+        assert!(!text.contains("topsecretvalue"), "{text}");
+        assert!(text.contains("line 2"), "{text}");
+    }
 
     #[test]
     fn defaults_plus_a_key_are_valid() {
