@@ -5,7 +5,7 @@
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use serde_json::{Value, json};
 
@@ -66,7 +66,7 @@ pub(super) async fn receive_default(
 /// `/v1/callbacks/pushary/{tenant}`: verified with that tenant's secrets only.
 pub(super) async fn receive_tenant(
     State(state): State<AppState>,
-    Path(tenant): Path<String>,
+    super::IdPath(tenant): super::IdPath,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {

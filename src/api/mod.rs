@@ -151,6 +151,23 @@ async fn ready(axum::extract::State(state): axum::extract::State<AppState>) -> i
     }
 }
 
+/// One path segment (an id, a tenant) as a string. A segment that is not
+/// UTF-8 or holds a NUL names nothing approvald stores: 404 in our error
+/// shape, instead of axum's plain-text 400 (or PostgreSQL refusing the NUL,
+/// which would read as the store being down).
+pub struct IdPath(pub String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IdPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<String>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(id)) if !id.contains('\0') => Ok(Self(id)),
+            _ => Err(ApiError::NotFound { detail: "no such resource".into() }),
+        }
+    }
+}
+
 /// Checks `Authorization: Bearer <token>` against the configured tokens in
 /// constant time per token.
 pub(crate) fn authorize<'s>(state: &'s AppState, headers: &HeaderMap) -> Result<&'s str, ApiError> {

@@ -2,7 +2,7 @@
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -153,7 +153,7 @@ fn new_operation(state: &AppState, tenant: &str, spec: OperationSpec, now: i64) 
 pub(super) async fn show(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    super::IdPath(id): super::IdPath,
 ) -> Result<Json<Value>, ApiError> {
     let tenant = authorize(&state, &headers)?;
     let store = state.engine.store();
@@ -196,6 +196,9 @@ pub(super) async fn list(
         .map(str::parse::<OpState>)
         .transpose()
         .map_err(|e| ApiError::bad_request("invalid_query", format!("state: {e}")))?;
+    if q.thread_id.as_deref().is_some_and(|t| t.contains('\0')) {
+        return Err(ApiError::bad_request("invalid_query", "threadId must not contain NUL"));
+    }
     let limit = q.limit.unwrap_or(100);
     if !(1..=1000).contains(&limit) {
         return Err(ApiError::bad_request("invalid_query", "limit must be between 1 and 1000"));
@@ -208,7 +211,7 @@ pub(super) async fn list(
 pub(super) async fn cancel(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    super::IdPath(id): super::IdPath,
 ) -> Result<Json<Value>, ApiError> {
     let tenant = authorize(&state, &headers)?;
     let op = state.engine.cancel(tenant, &id, "api").await?;

@@ -2,7 +2,7 @@
 
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -16,7 +16,7 @@ use crate::store::InboxEntry;
 pub(super) async fn resolve(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    super::IdPath(id): super::IdPath,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
     let tenant = authorize(&state, &headers)?;
@@ -85,7 +85,7 @@ pub(super) async fn inbox_list(
 pub(super) async fn inbox_show(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    super::IdPath(id): super::IdPath,
 ) -> Result<Json<Value>, ApiError> {
     let tenant = authorize(&state, &headers)?;
     let id: i64 = id.parse().map_err(|_| ApiError::not_found("inbox entry"))?;

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -290,7 +290,7 @@ async fn operations(
 async fn operation(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    crate::api::IdPath(id): crate::api::IdPath,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
     if let Err(d) = check(&state, &headers) {
@@ -346,7 +346,7 @@ async fn operation(
 async fn resolve(
     State(state): State<AppState>,
     headers: HeaderMap,
-    Path(id): Path<String>,
+    crate::api::IdPath(id): crate::api::IdPath,
     body: Body,
 ) -> Result<Response, ApiError> {
     if let Err(d) = check(&state, &headers) {

@@ -217,13 +217,22 @@ impl Engine {
             // asking the store (under load most candidates are such threads,
             // and every lease attempt is a write).
             let Some(_claim) = LocalClaim::take(&self.working, &tenant, &thread) else { continue };
-            if self.store.acquire_lease(&tenant, &thread, &owner, now, now + self.settings.lease_ms).await? {
+            // SQLite serves one process (docs/decisions.md §13): the claim
+            // above is the whole lease, and two writes per visit are saved.
+            let shared = self.store.is_postgres();
+            if !shared
+                || self
+                    .store
+                    .acquire_lease(&tenant, &thread, &owner, now, now + self.settings.lease_ms)
+                    .await?
+            {
                 if more {
                     self.wake();
                 }
-                let result = self.work_thread(&tenant, &thread, &owner).await;
+                let result = self.work_thread(&tenant, &thread, &owner, shared).await;
                 // Release even after an error, so the thread does not wait out the lease.
-                let released = self.store.release_lease(&tenant, &thread, &owner).await;
+                let released =
+                    if shared { self.store.release_lease(&tenant, &thread, &owner).await } else { Ok(()) };
                 result?;
                 released?;
                 return Ok(true);
@@ -232,7 +241,13 @@ impl Engine {
         Ok(false)
     }
 
-    async fn work_thread(&self, tenant: &str, thread: &str, owner: &str) -> Result<(), StoreError> {
+    async fn work_thread(
+        &self,
+        tenant: &str,
+        thread: &str,
+        owner: &str,
+        leased: bool,
+    ) -> Result<(), StoreError> {
         // The lease was just taken; renewing it is a write, so it is done
         // only once a third of it has passed, not before every step (each
         // step's calls are bounded by timeouts shorter than the lease).
@@ -240,7 +255,7 @@ impl Engine {
         // Bounded, so one busy thread cannot starve the others.
         for _ in 0..64 {
             let now = now_ms();
-            if now - renewed >= self.settings.lease_ms / 3 {
+            if leased && now - renewed >= self.settings.lease_ms / 3 {
                 if !self.store.renew_lease(tenant, thread, owner, now + self.settings.lease_ms).await? {
                     tracing::warn!(
                         tenant,

@@ -275,6 +275,7 @@ impl Engine {
     async fn deliver_approval_or_data(&self, mut op: Operation) -> Result<(), StoreError> {
         let approval = op.permit_id.is_some();
         let now = now_ms();
+        let mut entering = None;
         if op.state == State::Permitted {
             if now >= op.deadline {
                 let t = reject(&mut op, State::Expired, "deadline passed before the effect ran", ACTOR);
@@ -285,9 +286,9 @@ impl Engine {
             op.outcome_status = Some(OutcomeStatus::Approved.as_str().into());
             op.delivery = Some("pending".into());
             op.attempts = 0;
-            if !self.store.save(&mut op, &[t], None).await? {
-                return Ok(());
-            }
+            // Saved below together with the attempt it starts: nothing
+            // happens outside between the two, so one commit records both.
+            entering = Some(t);
         }
         if op.delivery_inflight && approval {
             // A process died mid-delivery: the effect may have run. Only a
@@ -306,7 +307,7 @@ impl Engine {
         op.delivery_inflight = true;
         op.attempts += 1;
         op.updated_at = now;
-        if !self.store.save(&mut op, &[], None).await? {
+        if !self.store.save(&mut op, entering.as_slice(), None).await? {
             return Ok(());
         }
         crate::fault::point("after_delivering_recorded");
