@@ -15,6 +15,7 @@ pub mod doctor;
 pub mod domain;
 pub mod error;
 pub mod fault;
+pub mod html;
 pub mod http;
 pub mod metrics;
 pub mod operator_ui;

@@ -147,6 +147,7 @@ fn new_operation(state: &AppState, tenant: &str, spec: OperationSpec, now: i64) 
         created_at: now,
         updated_at: now,
         version: 0,
+        unrecorded_delivery: None,
     }
 }
 

@@ -6,20 +6,7 @@ use std::fmt::Write as _;
 use crate::clock::rfc3339;
 use crate::store::{Activity, DeliveryRecord, InboxEntry, Operation, Transition};
 
-pub fn esc(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
+pub use crate::html::esc;
 
 /// Percent-encodes a value for a query string or path segment.
 pub fn enc(text: &str) -> String {
@@ -313,8 +300,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn escapes_markup_and_encodes_links() {
-        assert_eq!(esc("<a href=\"x\">'&'</a>"), "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;");
+    fn encodes_links_and_query_values() {
         assert_eq!(enc("a b/&c"), "a+b%2F%26c");
     }
 

@@ -98,6 +98,21 @@ fn check(state: &AppState, headers: &HeaderMap) -> Result<(), Denied> {
     }
 }
 
+/// A request from a signed-in operator; anyone else is sent to sign in
+/// (or gets 404 when the page is off).
+struct Operator;
+
+impl axum::extract::FromRequestParts<AppState> for Operator {
+    type Rejection = Denied;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<Self, Denied> {
+        check(state, &parts.headers).map(|()| Operator)
+    }
+}
+
 fn secure_cookie(state: &AppState) -> &'static str {
     if state.config.server.public_url.starts_with("https://") { "; Secure" } else { "" }
 }
@@ -154,10 +169,7 @@ async fn logout() -> Response {
     resp
 }
 
-async fn overview(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    if let Err(d) = check(&state, &headers) {
-        return Ok(d.into_response());
-    }
+async fn overview(_: Operator, State(state): State<AppState>) -> Result<Response, ApiError> {
     let store = state.engine.store();
     let now = now_ms();
     let counts = store.operation_counts().await?;
@@ -226,13 +238,10 @@ fn parse_age(text: &str) -> Option<i64> {
 }
 
 async fn operations(
+    _: Operator,
     State(state): State<AppState>,
-    headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    if let Err(d) = check(&state, &headers) {
-        return Ok(d.into_response());
-    }
     let now = now_ms();
     let get = |k: &str| q.get(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
     let mut problems = Vec::new();
@@ -288,14 +297,11 @@ async fn operations(
 }
 
 async fn operation(
+    _: Operator,
     State(state): State<AppState>,
-    headers: HeaderMap,
     crate::api::IdPath(id): crate::api::IdPath,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    if let Err(d) = check(&state, &headers) {
-        return Ok(d.into_response());
-    }
     let store = state.engine.store();
     let Some(op) = store.get_operation(None, &id).await? else {
         let body = "<p class=\"err\">No working operation has that id (it may have been archived; \
@@ -344,14 +350,12 @@ async fn operation(
 }
 
 async fn resolve(
+    _: Operator,
     State(state): State<AppState>,
     headers: HeaderMap,
     crate::api::IdPath(id): crate::api::IdPath,
     body: Body,
 ) -> Result<Response, ApiError> {
-    if let Err(d) = check(&state, &headers) {
-        return Ok(d.into_response());
-    }
     if !same_origin(&headers) {
         return Ok((
             StatusCode::FORBIDDEN,
@@ -386,13 +390,10 @@ async fn resolve(
 }
 
 async fn inbox(
+    _: Operator,
     State(state): State<AppState>,
-    headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> Result<Response, ApiError> {
-    if let Err(d) = check(&state, &headers) {
-        return Ok(d.into_response());
-    }
     let filter = q.get("state").map(|s| s.trim()).filter(|s| !s.is_empty());
     let entries = state.engine.store().list_inbox(filter, 200).await?;
     let mut body = String::from("<p>");

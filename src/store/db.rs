@@ -124,6 +124,23 @@ macro_rules! mark_waiting_answers {
     };
 }
 
+macro_rules! insert_delivery {
+    ($exec:expr, $d:expr) => {
+        sqlx::query(
+            "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, \
+             response_body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(&$d.operation_id)
+        .bind($d.attempt)
+        .bind($d.started_at)
+        .bind($d.duration_ms)
+        .bind($d.status_code)
+        .bind(&$d.error)
+        .bind(&$d.response_body)
+        .execute($exec)
+    };
+}
+
 /// What a batch of callbacks did: one result per entry, and how many
 /// operations now have an answer waiting (zero: no worker need wake).
 #[derive(Debug)]
@@ -500,7 +517,14 @@ impl Store {
             .await?;
             if done.rows_affected() == 0 {
                 tx.rollback().await?;
+                // The attempt happened whatever became of the operation.
+                if let Some(d) = op.unrecorded_delivery.take() {
+                    insert_delivery!(&mut *conn, &d).await?;
+                }
                 return Ok(false);
+            }
+            if let Some(d) = &op.unrecorded_delivery {
+                insert_delivery!(&mut *tx, d).await?;
             }
             if op.resume_seq.is_some() && !op.unfinished() {
                 // The next answer of the thread, held back behind this one, may go.
@@ -558,6 +582,7 @@ impl Store {
                 self.signal_work();
             }
             op.version += 1;
+            op.unrecorded_delivery = None;
             Ok(true)
         })
     }
@@ -586,19 +611,7 @@ impl Store {
 
     pub async fn record_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {
         with_pool!(self, conn, PG, write => {
-            sqlx::query(
-                "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, \
-                 response_body) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            )
-            .bind(&d.operation_id)
-            .bind(d.attempt)
-            .bind(d.started_at)
-            .bind(d.duration_ms)
-            .bind(d.status_code)
-            .bind(&d.error)
-            .bind(&d.response_body)
-            .execute(&mut *conn)
-            .await?;
+            insert_delivery!(&mut *conn, d).await?;
             Ok(())
         })
     }

@@ -54,6 +54,10 @@ pub struct Operation {
     pub created_at: i64,
     pub updated_at: i64,
     pub version: i64,
+    /// A delivery attempt made but not yet recorded: the next `save` of
+    /// this operation records it in its own transaction (one commit for
+    /// the attempt and what it led to). Not a column.
+    pub unrecorded_delivery: Option<DeliveryRecord>,
 }
 
 impl Operation {
@@ -109,6 +113,7 @@ impl Operation {
             created_at: get(row, "created_at")?,
             updated_at: get(row, "updated_at")?,
             version: get(row, "version")?,
+            unrecorded_delivery: None,
         })
     }
 }

@@ -71,8 +71,10 @@ pub fn outcome_body(op: &Operation) -> Value {
 }
 
 impl Engine {
-    /// One delivery attempt, recorded in `deliveries` whatever its result.
-    pub(crate) async fn post_outcome(&self, op: &Operation) -> Result<Outcome, StoreError> {
+    /// One delivery attempt. Whatever its result, it is recorded in
+    /// `deliveries` by the next save of `op` (the one that records what the
+    /// attempt led to), in the same transaction.
+    pub(crate) async fn post_outcome(&self, op: &mut Operation) -> Result<Outcome, StoreError> {
         let Some(target) = self.effect(&op.tenant, &op.effect) else {
             // The target was removed from config after enqueue; an operator must act.
             return Ok(Outcome::Retry(format!("effect target `{}` is not configured", op.effect)));
@@ -148,7 +150,7 @@ impl Engine {
         self.metrics.observe("approvald_delivery_duration_seconds", &[("outcome", class)], clock.elapsed());
         self.metrics.inc("approvald_deliveries_total", &[("outcome", class)]);
         record.duration_ms = Some(i64::try_from(clock.elapsed().as_millis()).unwrap_or(i64::MAX));
-        self.store.record_delivery(&record).await?;
+        op.unrecorded_delivery = Some(record);
         Ok(outcome)
     }
 }

@@ -311,7 +311,7 @@ impl Engine {
             return Ok(());
         }
         crate::fault::point("after_delivering_recorded");
-        let outcome = self.post_outcome(&op).await?;
+        let outcome = self.post_outcome(&mut op).await?;
         crate::fault::point("after_effect_answered");
         op.delivery_inflight = false;
         match outcome {
@@ -377,7 +377,7 @@ impl Engine {
     async fn deliver_rejection(&self, mut op: Operation) -> Result<(), StoreError> {
         op.attempts += 1;
         op.updated_at = now_ms();
-        let outcome = self.post_outcome(&op).await?;
+        let outcome = self.post_outcome(&mut op).await?;
         match outcome {
             super::delivery::Outcome::Done(body) => {
                 op.result = body;
