@@ -148,6 +148,7 @@ fn new_operation(state: &AppState, tenant: &str, spec: OperationSpec, now: i64) 
         updated_at: now,
         version: 0,
         unrecorded_delivery: None,
+        unrecorded_calls: Vec::new(),
     }
 }
 

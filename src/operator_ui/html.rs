@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use crate::clock::rfc3339;
-use crate::store::{Activity, DeliveryRecord, InboxEntry, Operation, Transition};
+use crate::store::{Activity, DeliveryRecord, InboxEntry, Operation, PusharyCall, Transition};
 
 pub use crate::html::esc;
 
@@ -141,19 +141,22 @@ pub fn inbox_table(entries: &[InboxEntry], now: i64) -> String {
     out
 }
 
-/// One operation's history: transitions, inbox entries and delivery
-/// attempts, merged by time. Pushary calls are the transitions that
-/// record one (opening the decision, consuming the permit, the receipt).
-pub fn timeline(transitions: &[Transition], inbox: &[InboxEntry], deliveries: &[DeliveryRecord]) -> String {
+/// One operation's history: transitions, inbox entries, Pushary calls and
+/// delivery attempts, merged by time.
+pub fn timeline(
+    transitions: &[Transition],
+    inbox: &[InboxEntry],
+    calls: &[PusharyCall],
+    deliveries: &[DeliveryRecord],
+) -> String {
     let mut rows: Vec<(i64, u8, String)> = Vec::new();
     for t in transitions {
-        let kind = if is_pushary_cause(&t.cause) { "Pushary call" } else { "transition" };
         let from = t.from.as_deref().map(state_badge).unwrap_or_else(|| "—".into());
         rows.push((
             t.at,
-            0,
+            2,
             format!(
-                "<td>{kind}</td><td>{from} → {}</td><td>{} <span class=\"muted\">({})</span></td>",
+                "<td>transition</td><td>{from} → {}</td><td>{} <span class=\"muted\">({})</span></td>",
                 state_badge(&t.to),
                 esc(&t.cause),
                 esc(&t.actor)
@@ -175,6 +178,21 @@ pub fn timeline(transitions: &[Transition], inbox: &[InboxEntry], deliveries: &[
             ),
         ));
     }
+    for c in calls {
+        let result = match (&c.error, c.status_code) {
+            (None, _) => "ok".to_string(),
+            (Some(e), _) => format!("<span class=\"err\">{}</span>", esc(e)),
+        };
+        rows.push((
+            c.started_at,
+            0,
+            format!(
+                "<td>Pushary call</td><td><code>{}</code></td><td>{result} in {} ms</td>",
+                esc(&c.call),
+                c.duration_ms
+            ),
+        ));
+    }
     for d in deliveries {
         let result = match (d.status_code, &d.error) {
             (Some(code), _) => format!("answered {code}"),
@@ -183,7 +201,7 @@ pub fn timeline(transitions: &[Transition], inbox: &[InboxEntry], deliveries: &[
         };
         rows.push((
             d.started_at,
-            2,
+            0,
             format!(
                 "<td>delivery attempt {}</td><td></td><td>{result}{}</td>",
                 d.attempt,
@@ -191,6 +209,7 @@ pub fn timeline(transitions: &[Transition], inbox: &[InboxEntry], deliveries: &[
             ),
         ));
     }
+    // A call starts before the transition it causes is recorded.
     rows.sort_by_key(|(at, order, _)| (*at, *order));
     let mut out = String::from(
         "<table id=\"timeline\"><tr><th>Time</th><th>What</th><th>State</th><th>Detail</th></tr>",
@@ -200,11 +219,6 @@ pub fn timeline(transitions: &[Transition], inbox: &[InboxEntry], deliveries: &[
     }
     out.push_str("</table>");
     out
-}
-
-fn is_pushary_cause(cause: &str) -> bool {
-    let c = cause.to_ascii_lowercase();
-    ["pushary", "opened", "permit", "consume", "receipt", "poll"].iter().any(|k| c.contains(k))
 }
 
 /// Approvals finished per minute by outcome (stacked bars) and the inbox's
@@ -315,6 +329,26 @@ mod tests {
         assert_eq!(svg.matches("<rect").count(), 2, "{svg}");
         assert!(svg.contains("5 finished in the window, busiest minute 5"), "{svg}");
         assert!(svg.contains("(max 2)"), "{svg}");
+    }
+
+    #[test]
+    fn the_timeline_shows_failed_pushary_calls_and_orders_by_time() {
+        let call = |call: &str, at: i64, error: Option<&str>| PusharyCall {
+            operation_id: "op".into(),
+            call: call.into(),
+            started_at: at,
+            duration_ms: 3,
+            status_code: error.map(|_| 503),
+            error: error.map(str::to_string),
+        };
+        let calls = [
+            call("create_decision", 10, Some("pushary answered 503: <busy>")),
+            call("create_decision", 20, None),
+        ];
+        let html = timeline(&[], &[], &calls, &[]);
+        let failed = html.find("pushary answered 503: &lt;busy&gt;").expect("the failure, escaped");
+        let ok = html.find("ok in 3 ms").expect("the success");
+        assert!(failed < ok, "{html}");
     }
 
     #[test]

@@ -310,6 +310,7 @@ async fn operation(
     };
     let transitions = store.transitions(&op.id).await?;
     let deliveries = store.deliveries(&op.id).await?;
+    let calls = store.pushary_calls(&op.id).await?;
     let inbox = match &op.decision_id {
         Some(d) => store.inbox_for_decision(&op.tenant, d).await?,
         None => Vec::new(),
@@ -345,7 +346,7 @@ async fn operation(
         body.push_str(&html::resolve_form(&op));
     }
     body.push_str("<h2>Timeline</h2>");
-    body.push_str(&html::timeline(&transitions, &inbox, &deliveries));
+    body.push_str(&html::timeline(&transitions, &inbox, &calls, &deliveries));
     Ok(Html(html::page(&format!("Operation {}", op.id), &body)).into_response())
 }
 

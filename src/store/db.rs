@@ -141,6 +141,22 @@ macro_rules! insert_delivery {
     };
 }
 
+macro_rules! insert_pushary_call {
+    ($exec:expr, $c:expr) => {
+        sqlx::query(
+            "INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code, error) \
+             VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(&$c.operation_id)
+        .bind(&$c.call)
+        .bind($c.started_at)
+        .bind($c.duration_ms)
+        .bind($c.status_code)
+        .bind(&$c.error)
+        .execute($exec)
+    };
+}
+
 /// What a batch of callbacks did: one result per entry, and how many
 /// operations now have an answer waiting (zero: no worker need wake).
 #[derive(Debug)]
@@ -161,6 +177,7 @@ const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
     (3, "archive", include_str!("../../migrations/sqlite/0003_archive.sql")),
     (4, "inbox_at", include_str!("../../migrations/sqlite/0004_inbox_at.sql")),
     (5, "thread work", include_str!("../../migrations/sqlite/0005_thread_work.sql")),
+    (6, "pushary calls", include_str!("../../migrations/sqlite/0006_pushary_calls.sql")),
 ];
 const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../../migrations/postgres/0001_init.sql")),
@@ -168,6 +185,7 @@ const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (3, "archive", include_str!("../../migrations/postgres/0003_archive.sql")),
     (4, "inbox_at", include_str!("../../migrations/postgres/0004_inbox_at.sql")),
     (5, "thread work", include_str!("../../migrations/postgres/0005_thread_work.sql")),
+    (6, "pushary calls", include_str!("../../migrations/postgres/0006_pushary_calls.sql")),
 ];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
@@ -521,10 +539,16 @@ impl Store {
                 if let Some(d) = op.unrecorded_delivery.take() {
                     insert_delivery!(&mut *conn, &d).await?;
                 }
+                for c in std::mem::take(&mut op.unrecorded_calls) {
+                    insert_pushary_call!(&mut *conn, &c).await?;
+                }
                 return Ok(false);
             }
             if let Some(d) = &op.unrecorded_delivery {
                 insert_delivery!(&mut *tx, d).await?;
+            }
+            for c in &op.unrecorded_calls {
+                insert_pushary_call!(&mut *tx, c).await?;
             }
             if op.resume_seq.is_some() && !op.unfinished() {
                 // The next answer of the thread, held back behind this one, may go.
@@ -583,6 +607,7 @@ impl Store {
             }
             op.version += 1;
             op.unrecorded_delivery = None;
+            op.unrecorded_calls.clear();
             Ok(true)
         })
     }
@@ -664,7 +689,7 @@ impl Store {
                 tx.rollback().await?;
                 return Ok(false);
             }
-            for table in ["transitions", "deliveries"] {
+            for table in ["transitions", "deliveries", "pushary_calls"] {
                 sqlx::query(AssertSqlSafe(format!("DELETE FROM {table} WHERE operation_id = $1")))
                     .bind(&op.id)
                     .execute(&mut *tx)

@@ -6,7 +6,7 @@
 use sqlx::Row;
 
 use super::db::Backend;
-use super::rows::{InboxEntry, Operation};
+use super::rows::{InboxEntry, Operation, PusharyCall};
 use super::{Store, StoreError};
 
 /// What the operator page filters operations by. Empty fields match all.
@@ -80,6 +80,20 @@ impl Store {
             .fetch_all(pool)
             .await?;
             rows.iter().map(InboxEntry::from_row).collect()
+        })
+    }
+
+    /// The Pushary calls made for one operation, oldest first.
+    pub async fn pushary_calls(&self, operation_id: &str) -> Result<Vec<PusharyCall>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            let rows = sqlx::query(
+                "SELECT operation_id, call, started_at, duration_ms, status_code, error FROM pushary_calls \
+                 WHERE operation_id = $1 ORDER BY id",
+            )
+            .bind(operation_id)
+            .fetch_all(pool)
+            .await?;
+            rows.iter().map(PusharyCall::from_row).collect()
         })
     }
 

@@ -15,7 +15,7 @@ mod sqlite_group;
 pub use db::{BatchInsert, Store, WORK_CHANNEL};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use insights::{Activity, OperatorFilter};
-pub use rows::{DeliveryRecord, InboxEntry, Operation, Transition};
+pub use rows::{DeliveryRecord, InboxEntry, Operation, PusharyCall, Transition};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -58,6 +58,8 @@ pub struct Operation {
     /// this operation records it in its own transaction (one commit for
     /// the attempt and what it led to). Not a column.
     pub unrecorded_delivery: Option<DeliveryRecord>,
+    /// Pushary calls made for it since the last save, recorded by the next.
+    pub unrecorded_calls: Vec<PusharyCall>,
 }
 
 impl Operation {
@@ -114,6 +116,7 @@ impl Operation {
             updated_at: get(row, "updated_at")?,
             version: get(row, "version")?,
             unrecorded_delivery: None,
+            unrecorded_calls: Vec::new(),
         })
     }
 }
@@ -226,6 +229,37 @@ impl DeliveryRecord {
             status_code: get(row, "status_code")?,
             error: get(row, "error")?,
             response_body: get(row, "response_body")?,
+        })
+    }
+}
+
+/// One call to Pushary made for an operation, whatever came of it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PusharyCall {
+    pub operation_id: String,
+    pub call: String,
+    pub started_at: i64,
+    pub duration_ms: i64,
+    pub status_code: Option<i64>,
+    pub error: Option<String>,
+}
+
+impl PusharyCall {
+    pub fn from_row<R>(row: &R) -> Result<Self, StoreError>
+    where
+        R: Row,
+        for<'a> &'a str: ColumnIndex<R>,
+        for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+        for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    {
+        Ok(Self {
+            operation_id: get(row, "operation_id")?,
+            call: get(row, "call")?,
+            started_at: get(row, "started_at")?,
+            duration_ms: get(row, "duration_ms")?,
+            status_code: get(row, "status_code")?,
+            error: get(row, "error")?,
         })
     }
 }

@@ -36,10 +36,12 @@ impl Engine {
                 State::Enqueued => {}
                 State::Pending => {
                     let decision = op.decision_id.clone().unwrap_or_default();
+                    let clock = super::steps::CallClock::start();
                     let cancelled = match self.pushary(&op.tenant) {
                         Ok(p) => p.cancel_decision(&decision).await,
                         Err(e) => Err(e),
                     };
+                    clock.note(&mut op, "cancel_decision", &cancelled);
                     match cancelled {
                         Ok(resp) => {
                             let cancelled = resp.get("cancelled").and_then(serde_json::Value::as_bool);

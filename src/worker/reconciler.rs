@@ -127,10 +127,12 @@ impl Engine {
     async fn expire(&self, mut op: Operation) -> Result<bool, StoreError> {
         let mut cause = "the local deadline passed without an answer".to_string();
         if let Some(id) = op.decision_id.clone() {
+            let clock = super::steps::CallClock::start();
             let cancelled = match self.pushary(&op.tenant) {
                 Ok(p) => p.cancel_decision(&id).await,
                 Err(e) => Err(e),
             };
+            clock.note(&mut op, "cancel_decision", &cancelled);
             match cancelled {
                 Ok(_) => cause.push_str("; decision cancelled at Pushary"),
                 Err(e) if e.is_retryable() => {
@@ -150,10 +152,12 @@ impl Engine {
     async fn poll(&self, mut op: Operation) -> Result<Polled, StoreError> {
         let Some(id) = op.decision_id.clone() else { return Ok(Polled::Nothing) };
         let next_poll = now_ms() + self.settings.poll_after_ms;
+        let clock = super::steps::CallClock::start();
         let polled = match self.pushary(&op.tenant) {
             Ok(p) => p.get_decision(&id, None).await,
             Err(e) => Err(e),
         };
+        clock.note(&mut op, "get_decision", &polled);
         match polled {
             Ok(d) if d.status == "answered" => {
                 let answer = d.value.unwrap_or_default();

@@ -41,6 +41,35 @@ pub(crate) fn reject(op: &mut Operation, to: State, cause: impl Into<String>, ac
     t
 }
 
+/// Times one Pushary call for the operation's timeline.
+pub(crate) struct CallClock {
+    started_at: i64,
+    clock: std::time::Instant,
+}
+
+impl CallClock {
+    pub(crate) fn start() -> Self {
+        Self { started_at: now_ms(), clock: std::time::Instant::now() }
+    }
+
+    /// Notes the call on `op`; the next save of `op` records it, in the
+    /// same transaction as what the call led to.
+    pub(crate) fn note<T>(self, op: &mut Operation, call: &str, result: &Result<T, PusharyError>) {
+        let (status_code, error) = match result {
+            Ok(_) => (None, None),
+            Err(e) => (e.status().map(i64::from), Some(e.to_string())),
+        };
+        op.unrecorded_calls.push(crate::store::PusharyCall {
+            operation_id: op.id.clone(),
+            call: call.to_string(),
+            started_at: self.started_at,
+            duration_ms: i64::try_from(self.clock.elapsed().as_millis()).unwrap_or(i64::MAX),
+            status_code,
+            error,
+        });
+    }
+}
+
 /// Whether anything remains for a worker to do.
 pub(crate) fn needs_work(op: &Operation) -> bool {
     matches!(op.state, State::Enqueued | State::Answered | State::Permitted | State::Delivering)
@@ -135,10 +164,12 @@ impl Engine {
             self.store.save(&mut op, &[t], None).await?;
             return Ok(());
         }
+        let clock = CallClock::start();
         let created = match self.pushary(&op.tenant) {
             Ok(p) => p.create_decision(&op.decision_request).await,
             Err(e) => Err(e),
         };
+        clock.note(&mut op, "create_decision", &created);
         match created {
             Ok(created) => {
                 op.decision_id = Some(created.decision_id.clone());
@@ -220,10 +251,12 @@ impl Engine {
             return Ok(());
         }
         crate::fault::point("after_consume_inflight_recorded");
+        let clock = CallClock::start();
         let result = match self.pushary(&op.tenant) {
             Ok(p) => p.consume(&consume_body(&op)).await,
             Err(e) => Err(e),
         };
+        clock.note(&mut op, "consume", &result);
         crate::fault::point("after_consume_returned");
         match result {
             Ok(permit) => {
@@ -412,10 +445,12 @@ impl Engine {
         };
         crate::fault::point("before_receipt");
         let summary = format!("approvald operation {} ended {}", op.id, op.state);
+        let clock = CallClock::start();
         let recorded = match self.pushary(&op.tenant) {
             Ok(p) => p.record_receipt(&permit, &outcome, Some(&summary)).await,
             Err(e) => Err(e),
         };
+        clock.note(&mut op, "record_receipt", &recorded);
         match recorded {
             Ok(_) => {
                 op.receipt = Some("recorded".into());

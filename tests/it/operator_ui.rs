@@ -348,7 +348,15 @@ async fn an_operator_signs_in_sees_real_data_and_resolves_an_uncertain_operation
     // The uncertain operation's timeline, then its resolution.
     browser.go(&format!("{}/operator/operations/{uncertain}", app.base)).await;
     let page = browser.source().await;
-    for text in ["Timeline", "delivery attempt 1", "answered 503", "inbox entry", "Pushary call", "Resolve"] {
+    for text in [
+        "Timeline",
+        "delivery attempt 1",
+        "answered 503",
+        "inbox entry",
+        "<code>create_decision</code>",
+        "<code>consume</code>",
+        "Resolve",
+    ] {
         assert!(page.contains(text), "timeline lacks {text}:\n{page}");
     }
     browser.type_into("form.resolve input[name=note]", "checked the order system: it shipped").await;

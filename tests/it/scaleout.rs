@@ -142,7 +142,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
     })
     .await
     .expect("connect");
-    assert_eq!(store.migration_status().await.expect("status"), (Some(5), 5));
+    assert_eq!(store.migration_status().await.expect("status"), (Some(6), 6));
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",
     )
@@ -157,6 +157,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
             "deliveries",
             "inbox",
             "operations",
+            "pushary_calls",
             "thread_leases",
             "transitions",
             "webhook_secrets"
@@ -166,6 +167,6 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
         .fetch_one(store.pg_pool().expect("pg"))
         .await
         .expect("count");
-    assert_eq!(applied, 5, "each migration applied once");
+    assert_eq!(applied, 6, "each migration applied once");
     store.close().await;
 }
