@@ -136,7 +136,7 @@ impl Engine {
         match op.state {
             State::Enqueued => self.open(op).await,
             State::Answered => self.decide(op).await,
-            State::Permitted | State::Delivering => self.deliver_approval_or_data(op).await,
+            State::Permitted | State::Delivering => self.deliver_approval_or_data(op, Vec::new()).await,
             _ if op.delivery.as_deref() == Some("pending") => self.deliver_rejection(op).await,
             _ if op.receipt.as_deref() == Some("pending") => self.record_receipt(op).await,
             _ => {
@@ -271,7 +271,11 @@ impl Engine {
                     format!("permit {} consumed", permit.permit_id),
                     ACTOR,
                 );
-                self.store.save(&mut op, &[t], None).await?;
+                // Straight on to the delivery: the permit is recorded in the
+                // commit that starts the attempt (nothing happens outside
+                // between the two, so a crash before it is the same crash
+                // as one before a separate "permitted" commit).
+                return self.deliver_approval_or_data(op, vec![t]).await;
             }
             Err(e) if e.refusal() == Some("already_consumed") && earlier_unknown => {
                 // Our own earlier attempt may have spent it: the outcome is
@@ -305,14 +309,19 @@ impl Engine {
     }
 
     /// permitted/delivering: deliver the approval (or data answer) to the effect.
-    async fn deliver_approval_or_data(&self, mut op: Operation) -> Result<(), StoreError> {
+    /// `pending`: transitions made in memory that the first save records.
+    async fn deliver_approval_or_data(
+        &self,
+        mut op: Operation,
+        mut pending: Vec<Transition>,
+    ) -> Result<(), StoreError> {
         let approval = op.permit_id.is_some();
         let now = now_ms();
-        let mut entering = None;
         if op.state == State::Permitted {
             if now >= op.deadline {
                 let t = reject(&mut op, State::Expired, "deadline passed before the effect ran", ACTOR);
-                self.store.save(&mut op, &[t], None).await?;
+                pending.push(t);
+                self.store.save(&mut op, &pending, None).await?;
                 return Ok(());
             }
             let t = transition(&mut op, State::Delivering, "delivering the approval", ACTOR);
@@ -321,7 +330,7 @@ impl Engine {
             op.attempts = 0;
             // Saved below together with the attempt it starts: nothing
             // happens outside between the two, so one commit records both.
-            entering = Some(t);
+            pending.push(t);
         }
         if op.delivery_inflight && approval {
             // A process died mid-delivery: the effect may have run. Only a
@@ -340,7 +349,7 @@ impl Engine {
         op.delivery_inflight = true;
         op.attempts += 1;
         op.updated_at = now;
-        if !self.store.save(&mut op, entering.as_slice(), None).await? {
+        if !self.store.save(&mut op, &pending, None).await? {
             return Ok(());
         }
         crate::fault::point("after_delivering_recorded");
