@@ -123,8 +123,9 @@ impl Metrics {
 
     /// A counter's value, for tests and the operator page.
     pub fn counter(&self, name: &str, pairs: &[(&str, &str)]) -> u64 {
+        let wanted = labels(pairs);
         let c = self.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        c.iter().find(|((n, l), _)| *n == name && *l == labels(pairs)).map_or(0, |(_, v)| *v)
+        c.iter().find(|((n, l), _)| *n == name && *l == wanted).map_or(0, |(_, v)| *v)
     }
 
     /// The text exposition format, version 0.0.4.

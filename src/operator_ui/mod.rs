@@ -312,7 +312,8 @@ async fn operation(
     let deliveries = store.deliveries(&op.id).await?;
     let calls = store.pushary_calls(&op.id).await?;
     let inbox = match &op.decision_id {
-        Some(d) => store.inbox_for_decision(&op.tenant, d).await?,
+        // One inbox row per (tenant, decision); replays count as its duplicates.
+        Some(d) => store.inbox_by_correlation(&op.tenant, d).await?.into_iter().collect(),
         None => Vec::new(),
     };
     let mut body = String::new();

@@ -6,7 +6,7 @@
 use sqlx::Row;
 
 use super::db::Backend;
-use super::rows::{InboxEntry, Operation, PusharyCall};
+use super::rows::{Operation, PusharyCall};
 use super::{Store, StoreError};
 
 /// What the operator page filters operations by. Empty fields match all.
@@ -61,25 +61,6 @@ impl Store {
                 .fetch_all(pool)
                 .await?;
             rows.iter().map(Operation::from_row).collect()
-        })
-    }
-
-    /// Every inbox entry for one decision (the first and any that a replay
-    /// or a poll recorded), oldest first.
-    pub async fn inbox_for_decision(
-        &self,
-        tenant: &str,
-        correlation_id: &str,
-    ) -> Result<Vec<InboxEntry>, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
-            let rows = sqlx::query(concat!(
-                "SELECT ", inbox_cols!(), " FROM inbox WHERE tenant = $1 AND correlation_id = $2 ORDER BY id"
-            ))
-            .bind(tenant)
-            .bind(correlation_id)
-            .fetch_all(pool)
-            .await?;
-            rows.iter().map(InboxEntry::from_row).collect()
         })
     }
 
