@@ -141,22 +141,6 @@ macro_rules! insert_delivery {
     };
 }
 
-macro_rules! insert_pushary_call {
-    ($exec:expr, $c:expr) => {
-        sqlx::query(
-            "INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code, error) \
-             VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(&$c.operation_id)
-        .bind(&$c.call)
-        .bind($c.started_at)
-        .bind($c.duration_ms)
-        .bind($c.status_code)
-        .bind(&$c.error)
-        .execute($exec)
-    };
-}
-
 /// What a batch of callbacks did: one result per entry, and how many
 /// operations now have an answer waiting (zero: no worker need wake).
 #[derive(Debug)]
@@ -214,7 +198,7 @@ pub struct Store {
     /// Writers of this process take turns here instead, in order, and
     /// commit in groups; the busy timeout remains for other processes (the
     /// CLI).
-    sqlite_group: Option<std::sync::Arc<SqliteGroup>>,
+    pub(super) sqlite_group: Option<std::sync::Arc<SqliteGroup>>,
     work_signal: std::sync::Arc<WorkSignal>,
 }
 
@@ -253,7 +237,9 @@ impl Store {
                 .journal_mode(SqliteJournalMode::Wal)
                 .synchronous(synchronous)
                 .busy_timeout(Duration::from_millis(config.busy_timeout_ms))
-                .foreign_keys(true);
+                .foreign_keys(true)
+                // The save's flag table and sorts stay off the disk.
+                .pragma("temp_store", "memory");
             let pool = SqlitePoolOptions::new()
                 .max_connections(config.max_connections)
                 .acquire_timeout(Duration::from_secs(10))
@@ -489,126 +475,6 @@ impl Store {
             .fetch_all(pool)
             .await?;
             rows.iter().map(DeliveryRecord::from_row).collect()
-        })
-    }
-
-    /// Writes every mutable column of `op` if nobody changed it since it was
-    /// read, with its new transitions and (optionally) the inbox row it
-    /// consumed, in one transaction. Returns false on a lost race.
-    pub async fn save(
-        &self,
-        op: &mut Operation,
-        transitions: &[Transition],
-        inbox: Option<(i64, &str, Option<&str>)>,
-    ) -> Result<bool, StoreError> {
-        with_pool!(self, conn, PG, write => {
-            let mut tx = conn.begin().await?;
-            let done = sqlx::query(
-                "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
-                 outcome_status = $6, result = $7, receipt = $8, receipt_outcome = $9, consume_inflight = $10, \
-                 consume_attempts = $11, delivery_inflight = $12, attempts = $13, last_error = $14, due_at = $15, \
-                 poll_at = $16, opened_at = $17, updated_at = $18, resume_seq = $21, version = version + 1 \
-                 WHERE id = $19 AND version = $20",
-            )
-            .bind(op.state.as_str())
-            .bind(&op.decision_id)
-            .bind(&op.answer)
-            .bind(&op.permit_id)
-            .bind(&op.delivery)
-            .bind(&op.outcome_status)
-            .bind(&op.result)
-            .bind(&op.receipt)
-            .bind(&op.receipt_outcome)
-            .bind(i64::from(op.consume_inflight))
-            .bind(op.consume_attempts)
-            .bind(i64::from(op.delivery_inflight))
-            .bind(op.attempts)
-            .bind(&op.last_error)
-            .bind(op.due_at)
-            .bind(op.poll_at)
-            .bind(op.opened_at)
-            .bind(op.updated_at)
-            .bind(&op.id)
-            .bind(op.version)
-            .bind(op.resume_seq)
-            .execute(&mut *tx)
-            .await?;
-            if done.rows_affected() == 0 {
-                tx.rollback().await?;
-                // The attempt happened whatever became of the operation.
-                if let Some(d) = op.unrecorded_delivery.take() {
-                    insert_delivery!(&mut *conn, &d).await?;
-                }
-                for c in std::mem::take(&mut op.unrecorded_calls) {
-                    insert_pushary_call!(&mut *conn, &c).await?;
-                }
-                return Ok(false);
-            }
-            if let Some(d) = &op.unrecorded_delivery {
-                insert_delivery!(&mut *tx, d).await?;
-            }
-            for c in &op.unrecorded_calls {
-                insert_pushary_call!(&mut *tx, c).await?;
-            }
-            if op.resume_seq.is_some() && !op.unfinished() {
-                // The next answer of the thread, held back behind this one, may go.
-                sqlx::query(
-                    "UPDATE operations SET due_at = $3 WHERE id = ( \
-                       SELECT c.id FROM operations c WHERE c.tenant = $1 AND c.thread_id = $2 \
-                         AND c.resume_seq IS NOT NULL AND c.due_at IS NULL \
-                         AND (c.state IN ('answered', 'permitted', 'delivering') OR c.delivery = 'pending') \
-                       ORDER BY c.resume_seq LIMIT 1) \
-                     AND NOT EXISTS (SELECT 1 FROM operations e WHERE e.tenant = $1 AND e.thread_id = $2 \
-                       AND e.resume_seq IS NOT NULL AND e.due_at IS NOT NULL \
-                       AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending'))",
-                )
-                .bind(&op.tenant)
-                .bind(&op.thread_id)
-                .bind(op.updated_at)
-                .execute(&mut *tx)
-                .await?;
-            }
-            for t in transitions {
-                insert_transition!(tx, &op.id, t).await?;
-            }
-            let notify = op.due_at.is_some() || op.resume_seq.is_some();
-            if let Some((inbox_id, state, note)) = inbox {
-                sqlx::query(
-                    "UPDATE inbox SET state = $1, note = $2, operation_id = $3, processed_at = $4 WHERE id = $5",
-                )
-                .bind(state)
-                .bind(note)
-                .bind(&op.id)
-                .bind(op.updated_at)
-                .bind(inbox_id)
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query("UPDATE operations SET inbox_at = NULL WHERE id = $1")
-                    .bind(&op.id)
-                    .execute(&mut *tx)
-                    .await?;
-            }
-            if op.state == crate::domain::state::State::Pending && op.decision_id.is_some() {
-                // An answer that arrived before the decision id was recorded.
-                sqlx::query(
-                    "UPDATE operations SET inbox_at = (SELECT i.received_at FROM inbox i \
-                       WHERE i.tenant = $1 AND i.correlation_id = $2 AND i.state = 'new') \
-                     WHERE id = $3 AND inbox_at IS NULL",
-                )
-                .bind(&op.tenant)
-                .bind(&op.decision_id)
-                .bind(&op.id)
-                .execute(&mut *tx)
-                .await?;
-            }
-            tx.commit().await?;
-            if notify {
-                self.signal_work();
-            }
-            op.version += 1;
-            op.unrecorded_delivery = None;
-            op.unrecorded_calls.clear();
-            Ok(true)
         })
     }
 

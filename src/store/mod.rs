@@ -10,6 +10,7 @@ mod db;
 mod inbox_writer;
 mod insights;
 mod rows;
+mod save;
 mod sqlite_group;
 
 pub use db::{BatchInsert, Store, WORK_CHANNEL};

@@ -39,6 +39,13 @@ struct State {
     tx: Option<Transaction<'static, Sqlite>>,
     /// Turns taken in the open transaction.
     turns: u32,
+    wait_us: u64,
+    hold_us: u64,
+    last_commit: Option<std::time::Instant>,
+    /// A writer opened `approvald_save` (see `save`) and has not released it: it was
+    /// dropped between its statements. Its writes are rolled back before
+    /// anything else runs on the connection.
+    savepoint_open: bool,
     /// Tells the writers of the open transaction how its commit went.
     outcome: watch::Sender<CommitOutcome>,
 }
@@ -48,6 +55,7 @@ struct State {
 pub(crate) struct Turn<'a> {
     guard: MutexGuard<'a, State>,
     kick: &'a Notify,
+    held: std::time::Instant,
 }
 
 impl SqliteGroup {
@@ -55,7 +63,15 @@ impl SqliteGroup {
         let kick = Arc::new(Notify::new());
         let group = Arc::new(Self {
             pool,
-            state: Mutex::new(State { tx: None, turns: 0, outcome: watch::channel(None).0 }),
+            state: Mutex::new(State {
+                tx: None,
+                turns: 0,
+                wait_us: 0,
+                hold_us: 0,
+                last_commit: None,
+                savepoint_open: false,
+                outcome: watch::channel(None).0,
+            }),
             kick: Arc::clone(&kick),
         });
         tokio::spawn(committer(Arc::downgrade(&group), kick));
@@ -65,18 +81,36 @@ impl SqliteGroup {
     /// Waits for this writer's turn (in arrival order) and opens the
     /// shared transaction if none is open.
     pub(crate) async fn turn(&self) -> Result<Turn<'_>, StoreError> {
+        let asked = std::time::Instant::now();
         let mut guard = self.state.lock().await;
+        guard.wait_us += asked.elapsed().as_micros() as u64;
+        discard_dangling(&mut guard).await?;
         if guard.tx.is_none() {
             guard.tx = Some(self.pool.begin_with("BEGIN IMMEDIATE").await?);
         }
         guard.turns += 1;
-        Ok(Turn { guard, kick: &self.kick })
+        Ok(Turn { guard, kick: &self.kick, held: std::time::Instant::now() })
     }
 }
 
 impl Turn<'_> {
     pub(crate) fn conn(&mut self) -> &mut SqliteConnection {
         self.guard.tx.as_mut().expect("a turn always has the transaction open")
+    }
+
+    /// Says whether the writer holds `approvald_save` (see `save`) open, so that a
+    /// writer dropped while holding it is rolled back, not committed.
+    pub(crate) fn set_savepoint_open(&mut self, open: bool) {
+        self.guard.savepoint_open = open;
+    }
+
+    /// Rolls back and releases `approvald_save` (see `save`) after a failed statement.
+    /// If even that fails, the transaction is abandoned (see
+    /// `discard_dangling`).
+    pub(crate) async fn discard_savepoint(&mut self) {
+        if let Err(e) = discard_dangling(&mut self.guard).await {
+            tracing::error!(error = %e, "cannot roll back a failed SQLite write");
+        }
     }
 
     /// Ends the turn. A writer that succeeded waits for the commit that
@@ -102,6 +136,7 @@ impl Drop for Turn<'_> {
     // Also on a cancelled writer, so a transaction is never left open
     // holding SQLite's write lock.
     fn drop(&mut self) {
+        self.guard.hold_us += self.held.elapsed().as_micros() as u64;
         self.kick.notify_one();
     }
 }
@@ -112,6 +147,27 @@ impl Drop for SqliteGroup {
     }
 }
 
+/// Rolls back the writes of a writer dropped while it held
+/// `approvald_save` (see `save`). If that fails, the open transaction is abandoned:
+/// its writers get the error, as they would from a failed commit, because
+/// committing it could commit half of the dropped writer's work.
+async fn discard_dangling(state: &mut State) -> Result<(), StoreError> {
+    if !state.savepoint_open {
+        return Ok(());
+    }
+    state.savepoint_open = false;
+    let Some(tx) = state.tx.as_mut() else { return Ok(()) };
+    let sql = "ROLLBACK TO approvald_save; RELEASE approvald_save";
+    let Err(e) = sqlx::raw_sql(sql).execute(&mut **tx).await else { return Ok(()) };
+    let reason = format!("rolling back a dropped write failed: {e}");
+    tracing::error!(error = %e, "abandoning the open SQLite group transaction");
+    state.tx = None;
+    state.turns = 0;
+    let next = watch::channel(None).0;
+    std::mem::replace(&mut state.outcome, next).send_replace(Some(Err(reason.clone())));
+    Err(StoreError::Unavailable(reason))
+}
+
 /// Commits the open transaction each time a writer has run. Its turn on
 /// the lock comes after every writer that queued while the last commit
 /// flushed, so they all ride on this one.
@@ -120,20 +176,87 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
         kick.notified().await;
         let Some(group) = group.upgrade() else { return };
         let mut state = group.state.lock().await;
+        if discard_dangling(&mut state).await.is_err() {
+            continue;
+        }
         let Some(tx) = state.tx.take() else { continue };
         let started = std::time::Instant::now();
         let result = tx.commit().await.map_err(|e| e.to_string());
+        let cycle_us = state.last_commit.map_or(0, |l| l.elapsed().as_micros());
+        state.last_commit = Some(std::time::Instant::now());
         tracing::trace!(
             turns = state.turns,
+            wait_us = state.wait_us,
+            hold_us = state.hold_us,
+            cycle_us,
             commit_us = started.elapsed().as_micros(),
             "SQLite group commit"
         );
         state.turns = 0;
+        state.wait_us = 0;
+        state.hold_us = 0;
         if let Err(e) = &result {
             tracing::error!(error = %e, "SQLite group commit failed; its writers get the error");
         }
         let next = watch::channel(None).0;
         let done = std::mem::replace(&mut state.outcome, next);
         done.send_replace(Some(result));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+
+    use super::*;
+
+    async fn group() -> (tempfile::TempDir, SqlitePool, Arc<SqliteGroup>) {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let url = format!("sqlite://{}", dir.path().join("g.db").display());
+        let options = SqliteConnectOptions::from_str(&url).expect("a SQLite URL").create_if_missing(true);
+        let pool = SqlitePoolOptions::new().max_connections(2).connect_with(options).await.expect("opens");
+        sqlx::raw_sql("CREATE TABLE t (v INTEGER NOT NULL)").execute(&pool).await.expect("creates");
+        let group = SqliteGroup::new(pool.clone());
+        (dir, pool, group)
+    }
+
+    async fn values(pool: &SqlitePool) -> Vec<i64> {
+        sqlx::query_scalar("SELECT v FROM t ORDER BY v").fetch_all(pool).await.expect("reads")
+    }
+
+    // A writer dropped between its statements (a cancelled request) must
+    // not have its first statements committed with the next writer's.
+    #[tokio::test]
+    async fn a_writer_dropped_inside_its_savepoint_is_rolled_back_not_committed() {
+        let (_dir, pool, group) = group().await;
+        {
+            let mut turn = group.turn().await.expect("a turn");
+            turn.set_savepoint_open(true);
+            sqlx::raw_sql("SAVEPOINT approvald_save; INSERT INTO t VALUES (1)")
+                .execute(&mut *turn.conn())
+                .await
+                .expect("runs");
+            // Dropped without releasing or finishing.
+        }
+        let mut turn = group.turn().await.expect("a turn");
+        let r = sqlx::query("INSERT INTO t VALUES (2)").execute(&mut *turn.conn()).await.map(|_| ());
+        turn.finish(r.map_err(StoreError::from)).await.expect("commits");
+        assert_eq!(values(&pool).await, vec![2]);
+    }
+
+    #[tokio::test]
+    async fn a_released_savepoint_commits_with_its_group() {
+        let (_dir, pool, group) = group().await;
+        let mut turn = group.turn().await.expect("a turn");
+        turn.set_savepoint_open(true);
+        let r = sqlx::raw_sql("SAVEPOINT approvald_save; INSERT INTO t VALUES (3); RELEASE approvald_save")
+            .execute(&mut *turn.conn())
+            .await
+            .map(|_| ());
+        turn.set_savepoint_open(false);
+        turn.finish(r.map_err(StoreError::from)).await.expect("commits");
+        assert_eq!(values(&pool).await, vec![3]);
     }
 }

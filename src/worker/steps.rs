@@ -70,6 +70,13 @@ impl CallClock {
     }
 }
 
+/// An answer being applied; the first save of the step it leads to
+/// settles its inbox entry.
+pub(crate) struct Applying<'a> {
+    inbox_id: i64,
+    note: &'a str,
+}
+
 /// Whether anything remains for a worker to do.
 pub(crate) fn needs_work(op: &Operation) -> bool {
     matches!(op.state, State::Enqueued | State::Answered | State::Permitted | State::Delivering)
@@ -115,14 +122,34 @@ impl Engine {
         // Answers of a thread resume in arrival order: this one waits while
         // an earlier one still has work (it is released when that finishes).
         op.resume_seq = Some(entry.id);
-        if self.store.earlier_answer_unfinished(&op.tenant, &op.thread_id, entry.id).await? {
+        let held_back = self.store.earlier_answer_unfinished(&op.tenant, &op.thread_id, entry.id).await?;
+        if held_back {
             op.due_at = None;
         }
-        if self.store.save(&mut op, &[t], Some((entry.id, "processed", Some(note)))).await? {
-            tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %entry.correlation_id, state = %op.state, "answer applied");
+        let applying = Applying { inbox_id: entry.id, note };
+        if op.state == State::Answered && !held_back {
+            // Decided at once: nothing happens outside between applying the
+            // answer and deciding on it, so one commit records both.
+            return self.decide(op, vec![t], Some(&applying)).await;
+        }
+        self.save_first(&mut op, &[t], Some(&applying)).await.map(|_| ())
+    }
+
+    /// The first save of a step, which may also apply an answer: settles
+    /// its inbox entry in the same commit and counts the resume.
+    async fn save_first(
+        &self,
+        op: &mut Operation,
+        pending: &[Transition],
+        applying: Option<&Applying<'_>>,
+    ) -> Result<bool, StoreError> {
+        let inbox = applying.map(|a| (a.inbox_id, "processed", Some(a.note)));
+        let saved = self.store.save(op, pending, inbox).await?;
+        if saved && applying.is_some() {
+            tracing::info!(state = %op.state, "answer applied");
             self.metrics.inc("approvald_resumes_total", &[("state", op.state.as_str())]);
         }
-        Ok(())
+        Ok(saved)
     }
 
     /// One step of a due operation.
@@ -135,7 +162,7 @@ impl Engine {
     async fn step_inner(&self, op: Operation) -> Result<(), StoreError> {
         match op.state {
             State::Enqueued => self.open(op).await,
-            State::Answered => self.decide(op).await,
+            State::Answered => self.decide(op, Vec::new(), None).await,
             State::Permitted | State::Delivering => self.deliver_approval_or_data(op, Vec::new()).await,
             _ if op.delivery.as_deref() == Some("pending") => self.deliver_rejection(op).await,
             _ if op.receipt.as_deref() == Some("pending") => self.record_receipt(op).await,
@@ -209,17 +236,24 @@ impl Engine {
     }
 
     /// answered → permitted | denied | invalid | refused | delivering (data) | uncertain | expired.
-    async fn decide(&self, mut op: Operation) -> Result<(), StoreError> {
+    /// `pending`: transitions made in memory that the first save records;
+    /// `applying`: the answer being applied, settled by that save.
+    async fn decide(
+        &self,
+        mut op: Operation,
+        mut pending: Vec<Transition>,
+        applying: Option<&Applying<'_>>,
+    ) -> Result<(), StoreError> {
         let answer = op.answer.clone().unwrap_or_default();
         let options = op.spec.options.clone().unwrap_or_default();
         match answer::validate(op.decision_type, &options, &answer) {
             Verdict::Invalid(why) => {
-                let t = reject(&mut op, State::Invalid, format!("invalid answer: {why}"), ACTOR);
-                self.store.save(&mut op, &[t], None).await?;
+                pending.push(reject(&mut op, State::Invalid, format!("invalid answer: {why}"), ACTOR));
+                self.save_first(&mut op, &pending, applying).await?;
             }
             Verdict::Denied => {
-                let t = reject(&mut op, State::Denied, "the recipient answered no", ACTOR);
-                self.store.save(&mut op, &[t], None).await?;
+                pending.push(reject(&mut op, State::Denied, "the recipient answered no", ACTOR));
+                self.save_first(&mut op, &pending, applying).await?;
             }
             Verdict::Data => {
                 let t = transition(&mut op, State::Delivering, "answer is data; delivering it", ACTOR);
@@ -227,18 +261,25 @@ impl Engine {
                 op.delivery = Some("pending".into());
                 op.attempts = 0;
                 op.due_at = Some(op.updated_at);
-                self.store.save(&mut op, &[t], None).await?;
+                pending.push(t);
+                self.save_first(&mut op, &pending, applying).await?;
             }
-            Verdict::Approved => self.consume(op).await?,
+            Verdict::Approved => self.consume(op, pending, applying).await?,
         }
         Ok(())
     }
 
-    async fn consume(&self, mut op: Operation) -> Result<(), StoreError> {
+    async fn consume(
+        &self,
+        mut op: Operation,
+        mut pending: Vec<Transition>,
+        applying: Option<&Applying<'_>>,
+    ) -> Result<(), StoreError> {
         let now = now_ms();
         if now >= op.deadline {
             let t = reject(&mut op, State::Expired, "deadline passed before the permit was consumed", ACTOR);
-            self.store.save(&mut op, &[t], None).await?;
+            pending.push(t);
+            self.save_first(&mut op, &pending, applying).await?;
             return Ok(());
         }
         // Whether an earlier attempt may have spent the permit without us
@@ -247,7 +288,7 @@ impl Engine {
         op.consume_inflight = true;
         op.consume_attempts += 1;
         op.updated_at = now;
-        if !self.store.save(&mut op, &[], None).await? {
+        if !self.save_first(&mut op, &pending, applying).await? {
             return Ok(());
         }
         crate::fault::point("after_consume_inflight_recorded");

@@ -1,0 +1,276 @@
+//! `Store::save`: one step of an operation, recorded atomically with its
+//! transitions, the inbox row it consumed, the Pushary calls and delivery
+//! attempt it made, and the release of the thread's next held-back answer.
+//!
+//! It is the hottest write (four or five per approval), so each engine
+//! gets the fewest round trips it allows (docs/decisions.md §15): on
+//! PostgreSQL one statement of data-modifying CTEs, committed on its own
+//! (no BEGIN/COMMIT round trips); on SQLite two multi-statement hops to
+//! sqlx's connection thread inside the group commit's turn, where each hop
+//! is a thread wake-up that every other writer waits behind. Rows of any
+//! number go in as one JSON array parameter, so each engine has one fixed
+//! statement text, prepared once.
+
+use serde_json::{Value, json};
+use sqlx::Row as _;
+
+use super::StoreError;
+use super::db::{Backend, Store};
+use super::rows::{Operation, Transition};
+use crate::domain::state::State;
+
+/// The compare-and-set of the operation row. `inbox_at` (an answer waits
+/// for this operation) is cleared with the inbox row the save consumes,
+/// and set when a decision id is recorded for which an answer already
+/// waits (it arrived before the id).
+macro_rules! update_operation {
+    () => {
+        "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
+         outcome_status = $6, result = $7, receipt = $8, receipt_outcome = $9, consume_inflight = $10, \
+         consume_attempts = $11, delivery_inflight = $12, attempts = $13, last_error = $14, due_at = $15, \
+         poll_at = $16, opened_at = $17, updated_at = $18, resume_seq = $21, version = version + 1, \
+         inbox_at = CASE WHEN $22 THEN NULL \
+           WHEN $23 AND inbox_at IS NULL THEN (SELECT i.received_at FROM inbox i \
+             WHERE i.tenant = $24 AND i.correlation_id = $2 AND i.state = 'new') \
+           ELSE inbox_at END \
+         WHERE id = $19 AND version = $20"
+    };
+}
+
+/// The thread's next answer held back behind this one may go, once no
+/// other answer of the thread has resume work left (the saved operation
+/// has none: this runs only when it is finished).
+macro_rules! release_next_answer {
+    ($id:literal, $tenant:literal, $thread:literal, $now:literal) => {
+        concat!(
+            "UPDATE operations SET due_at = ",
+            $now,
+            " WHERE id = ( \
+               SELECT c.id FROM operations c WHERE c.tenant = ",
+            $tenant,
+            " AND c.thread_id = ",
+            $thread,
+            " AND c.id <> ",
+            $id,
+            " AND c.resume_seq IS NOT NULL AND c.due_at IS NULL \
+                 AND (c.state IN ('answered', 'permitted', 'delivering') OR c.delivery = 'pending') \
+               ORDER BY c.resume_seq LIMIT 1) \
+             AND NOT EXISTS (SELECT 1 FROM operations e WHERE e.tenant = ",
+            $tenant,
+            " AND e.thread_id = ",
+            $thread,
+            " AND e.id <> ",
+            $id,
+            " AND e.resume_seq IS NOT NULL AND e.due_at IS NOT NULL \
+               AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending'))"
+        )
+    };
+}
+
+/// SQLite: everything in one multi-statement query, so one hop to sqlx's
+/// connection thread. Whether the compare-and-set took is carried to the
+/// statements that depend on it in a one-row temp table (SQLite has no
+/// variables); the calls and the delivery attempt are recorded either way
+/// (they happened whatever became of the operation). A save that fails
+/// part way, or is dropped, leaves the savepoint open; it is rolled back
+/// (here, or by the next turn: `sqlite_group`).
+const SQLITE_SAVE: &str = concat!(
+    "CREATE TEMP TABLE IF NOT EXISTS approvald_saved (n INTEGER NOT NULL); \
+     SAVEPOINT approvald_save; ",
+    update_operation!(),
+    "; INSERT INTO temp.approvald_saved (n) VALUES (changes()); \
+     INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, response_body) \
+       SELECT json_extract(j.value, '$.operation_id'), json_extract(j.value, '$.attempt'), \
+         json_extract(j.value, '$.started_at'), json_extract(j.value, '$.duration_ms'), \
+         json_extract(j.value, '$.status_code'), json_extract(j.value, '$.error'), \
+         json_extract(j.value, '$.response_body') FROM json_each($26) j; \
+     INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code, error) \
+       SELECT json_extract(j.value, '$.operation_id'), json_extract(j.value, '$.call'), \
+         json_extract(j.value, '$.started_at'), json_extract(j.value, '$.duration_ms'), \
+         json_extract(j.value, '$.status_code'), json_extract(j.value, '$.error') FROM json_each($27) j; \
+     INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) \
+       SELECT $19, json_extract(j.value, '$.from'), json_extract(j.value, '$.to'), \
+         json_extract(j.value, '$.at'), json_extract(j.value, '$.cause'), json_extract(j.value, '$.actor') \
+       FROM json_each($25) j WHERE EXISTS (SELECT 1 FROM temp.approvald_saved WHERE n = 1); ",
+    release_next_answer!("$19", "$24", "$30", "$18"),
+    " AND $28 AND EXISTS (SELECT 1 FROM temp.approvald_saved WHERE n = 1); \
+     UPDATE inbox SET state = $31, note = $32, operation_id = $19, processed_at = $18 \
+       WHERE id = $29 AND EXISTS (SELECT 1 FROM temp.approvald_saved WHERE n = 1); \
+     RELEASE approvald_save; \
+     DELETE FROM temp.approvald_saved RETURNING n AS saved"
+);
+
+/// PostgreSQL: everything in one statement, so one round trip and one
+/// implicit transaction. Sub-statements share one snapshot, which is why
+/// the release of the next answer names the saved operation (`<> $19`)
+/// instead of reading its new state.
+const PG_SAVE: &str = concat!(
+    "WITH u AS (",
+    update_operation!(),
+    " RETURNING id), \
+     d AS (INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, \
+       response_body) SELECT r.operation_id, r.attempt, r.started_at, r.duration_ms, r.status_code, r.error, \
+       r.response_body FROM jsonb_to_recordset($26::text::jsonb) AS r(operation_id text, attempt bigint, \
+       started_at bigint, duration_ms bigint, status_code bigint, error text, response_body text)), \
+     c AS (INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code, error) \
+       SELECT r.operation_id, r.call, r.started_at, r.duration_ms, r.status_code, r.error \
+       FROM jsonb_to_recordset($27::text::jsonb) AS r(operation_id text, call text, started_at bigint, \
+       duration_ms bigint, status_code bigint, error text)), \
+     t AS (INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) \
+       SELECT u.id, r.\"from\", r.\"to\", r.at, r.cause, r.actor FROM u, \
+       jsonb_to_recordset($25::text::jsonb) AS r(\"from\" text, \"to\" text, at bigint, cause text, actor text)), \
+     n AS (",
+    release_next_answer!("$19", "$24", "$30", "$18"),
+    " AND $28 AND EXISTS (SELECT 1 FROM u)), \
+     i AS (UPDATE inbox SET state = $31, note = $32, operation_id = $19, processed_at = $18 \
+       WHERE id = $29 AND EXISTS (SELECT 1 FROM u)) \
+     SELECT count(*) AS saved FROM u"
+);
+
+fn transitions_json(transitions: &[Transition]) -> String {
+    Value::Array(
+        transitions
+            .iter()
+            .map(|t| json!({"from": t.from, "to": t.to, "at": t.at, "cause": t.cause, "actor": t.actor}))
+            .collect(),
+    )
+    .to_string()
+}
+
+fn unrecorded_json(op: &Operation) -> (String, String) {
+    let deliveries: Vec<Value> = op
+        .unrecorded_delivery
+        .iter()
+        .map(|d| {
+            json!({"operation_id": d.operation_id, "attempt": d.attempt, "started_at": d.started_at,
+                "duration_ms": d.duration_ms, "status_code": d.status_code, "error": d.error,
+                "response_body": d.response_body})
+        })
+        .collect();
+    let calls: Vec<Value> = op
+        .unrecorded_calls
+        .iter()
+        .map(|c| {
+            json!({"operation_id": c.operation_id, "call": c.call, "started_at": c.started_at,
+                "duration_ms": c.duration_ms, "status_code": c.status_code, "error": c.error})
+        })
+        .collect();
+    (Value::Array(deliveries).to_string(), Value::Array(calls).to_string())
+}
+
+/// What a save binds besides the operation's columns.
+struct Extras<'a> {
+    /// The save consumes an inbox entry: no answer waits any more.
+    clear_inbox_at: bool,
+    /// A decision id is being recorded: an answer may already wait for it.
+    opened_now: bool,
+    transitions: String,
+    deliveries: String,
+    calls: String,
+    release_next: bool,
+    inbox_id: Option<i64>,
+    inbox_state: Option<&'a str>,
+    inbox_note: Option<&'a str>,
+}
+
+/// Binds `$1`–`$32`, the same on both engines.
+macro_rules! bind_all {
+    ($q:expr, $op:expr, $x:expr) => {
+        $q.bind($op.state.as_str())
+            .bind(&$op.decision_id)
+            .bind(&$op.answer)
+            .bind(&$op.permit_id)
+            .bind(&$op.delivery)
+            .bind(&$op.outcome_status)
+            .bind(&$op.result)
+            .bind(&$op.receipt)
+            .bind(&$op.receipt_outcome)
+            .bind(i64::from($op.consume_inflight))
+            .bind($op.consume_attempts)
+            .bind(i64::from($op.delivery_inflight))
+            .bind($op.attempts)
+            .bind(&$op.last_error)
+            .bind($op.due_at)
+            .bind($op.poll_at)
+            .bind($op.opened_at)
+            .bind($op.updated_at)
+            .bind(&$op.id)
+            .bind($op.version)
+            .bind($op.resume_seq)
+            .bind($x.clear_inbox_at)
+            .bind($x.opened_now)
+            .bind(&$op.tenant)
+            .bind(&$x.transitions)
+            .bind(&$x.deliveries)
+            .bind(&$x.calls)
+            .bind($x.release_next)
+            .bind($x.inbox_id)
+            .bind(&$op.thread_id)
+            .bind($x.inbox_state)
+            .bind($x.inbox_note)
+    };
+}
+
+impl Store {
+    /// Records `op` (compare-and-set on its version) with its transitions,
+    /// the inbox entry it consumed (`(id, state, note)`), and the calls and
+    /// delivery attempt noted on it. Returns false, changing nothing but
+    /// the record of calls and attempts, if another writer moved `op` first.
+    pub async fn save(
+        &self,
+        op: &mut Operation,
+        transitions: &[Transition],
+        inbox: Option<(i64, &str, Option<&str>)>,
+    ) -> Result<bool, StoreError> {
+        let (deliveries, calls) = unrecorded_json(op);
+        let x = Extras {
+            clear_inbox_at: inbox.is_some(),
+            opened_now: op.state == State::Pending && op.decision_id.is_some(),
+            transitions: transitions_json(transitions),
+            deliveries,
+            calls,
+            release_next: op.resume_seq.is_some() && !op.unfinished(),
+            inbox_id: inbox.map(|i| i.0),
+            inbox_state: inbox.map(|i| i.1),
+            inbox_note: inbox.and_then(|i| i.2),
+        };
+        let saved = match &self.backend {
+            Backend::Postgres(pool) => {
+                let row = bind_all!(sqlx::query(PG_SAVE), op, x).fetch_one(pool).await?;
+                row.try_get::<i64, _>("saved")? == 1
+            }
+            Backend::Sqlite(_) => {
+                let group = self.sqlite_group.as_ref().expect("a SQLite store has a write group");
+                let mut turn = group.turn().await?;
+                turn.set_savepoint_open(true);
+                let q = bind_all!(sqlx::query(SQLITE_SAVE), op, x);
+                let result = match q.fetch_optional(&mut *turn.conn()).await {
+                    Ok(row) => {
+                        turn.set_savepoint_open(false);
+                        match row {
+                            Some(row) => {
+                                row.try_get::<i64, _>("saved").map(|n| n == 1).map_err(StoreError::from)
+                            }
+                            None => Err(StoreError::Corrupt("a SQLite save returned no row".into())),
+                        }
+                    }
+                    Err(e) => {
+                        // Undone now, or by the next turn if this fails too.
+                        turn.discard_savepoint().await;
+                        Err(StoreError::from(e))
+                    }
+                };
+                turn.finish(result).await?
+            }
+        };
+        op.unrecorded_delivery = None;
+        op.unrecorded_calls.clear();
+        if saved {
+            op.version += 1;
+            if op.due_at.is_some() || op.resume_seq.is_some() {
+                self.signal_work();
+            }
+        }
+        Ok(saved)
+    }
+}
