@@ -388,10 +388,17 @@ impl Engine {
             // safety-net tick. One worker keeps the tick; it wakes the others
             // when it finds more than it can take, so an idle process wakes
             // a few times a minute, not once per worker per tick.
-            let mut nap = if index == 0 { self.settings.idle_poll } else { self.settings.idle_poll * 12 };
-            if let Ok(Some(at)) = self.store.next_due_at().await {
-                let until = u64::try_from((at - now_ms()).max(1)).unwrap_or(1);
-                nap = nap.min(Duration::from_millis(until));
+            // The tick keeper also wakes for the earliest scheduled retry (and
+            // wakes the others if it finds more than it takes); asking the
+            // store for it on every worker's every nap cost two reads per
+            // approval under load.
+            let mut nap = self.settings.idle_poll * 12;
+            if index == 0 {
+                nap = self.settings.idle_poll;
+                if let Ok(Some(at)) = self.store.next_due_at().await {
+                    let until = u64::try_from((at - now_ms()).max(1)).unwrap_or(1);
+                    nap = nap.min(Duration::from_millis(until));
+                }
             }
             tokio::select! {
                 () = shutdown.cancelled() => break,
