@@ -129,7 +129,7 @@ async fn measure(
         [server]
         listen = "127.0.0.1:{port}"
         public_url = "http://127.0.0.1:{port}"
-        max_concurrent_callbacks = 1024
+        max_concurrent_callbacks = 4096
         [store]
         url = "{url}"
         max_connections = {conns}

@@ -170,6 +170,7 @@ const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (4, "inbox_at", include_str!("../../migrations/postgres/0004_inbox_at.sql")),
     (5, "thread work", include_str!("../../migrations/postgres/0005_thread_work.sql")),
     (6, "pushary calls", include_str!("../../migrations/postgres/0006_pushary_calls.sql")),
+    (7, "unlogged leases", include_str!("../../migrations/postgres/0007_unlogged_leases.sql")),
 ];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {

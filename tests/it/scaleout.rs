@@ -142,7 +142,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
     })
     .await
     .expect("connect");
-    assert_eq!(store.migration_status().await.expect("status"), (Some(6), 6));
+    assert_eq!(store.migration_status().await.expect("status"), (Some(7), 7));
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",
     )
@@ -167,6 +167,18 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
         .fetch_one(store.pg_pool().expect("pg"))
         .await
         .expect("count");
-    assert_eq!(applied, 6, "each migration applied once");
+    assert_eq!(applied, 7, "each migration applied once");
+    // Leases write no WAL (migration 0007); the operations they guard do.
+    let persistence: Vec<(String, String)> = sqlx::query_as(
+        "SELECT relname::text, relpersistence::text FROM pg_class \
+         WHERE relname IN ('thread_leases', 'operations') ORDER BY 1",
+    )
+    .fetch_all(store.pg_pool().expect("pg"))
+    .await
+    .expect("persistence");
+    assert_eq!(
+        persistence,
+        [("operations".to_string(), "p".to_string()), ("thread_leases".to_string(), "u".to_string())]
+    );
     store.close().await;
 }
