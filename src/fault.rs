@@ -9,9 +9,12 @@ pub fn point(name: &str) {
     if std::env::var("APPROVALD_FAULT").is_ok_and(|f| f == name) {
         eprintln!("APPROVALD_FAULT_REACHED {name}");
         // SIGKILL, as a crash or the OOM killer would: no destructors, no
-        // flushes, no graceful shutdown. `kill` returns only once the signal
-        // is delivered; abort is the fallback where there is no `kill`.
-        let _ = std::process::Command::new("kill").args(["-KILL", &std::process::id().to_string()]).status();
+        // flushes, no graceful shutdown. Sent by the kill(2) syscall, so the
+        // process dies at this point: spawning kill(1) took milliseconds in
+        // which the other threads went on working past the crash point
+        // (a worker consumed the permit of a callback "killed" before its
+        // ack). abort is the fallback if the signal cannot be sent.
+        let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
         std::process::abort();
     }
 }

@@ -130,7 +130,6 @@ async fn receive(
         })
         .await?;
     // Committed (synchronous=FULL): only now may Pushary stop retrying.
-    crate::fault::point("after_inbox_commit");
     match inserted {
         InboxInsert::Stored(id) => {
             tracing::info!(tenant, correlation_id, inbox_id = id, "callback stored");

@@ -59,6 +59,12 @@ impl InboxWriter {
                     let entries: Vec<OwnedInboxEntry> = jobs.iter().map(|(e, _)| e.clone()).collect();
                     match store.insert_inbox_batch(&entries).await {
                         Ok(batch) => {
+                            // Committed, nothing acknowledged and no worker
+                            // woken yet: a crash here leaves the callbacks to
+                            // the next process (tests/it/crash.rs). Here rather
+                            // than in the handler, so that no worker of this
+                            // process has begun on them when the process dies.
+                            crate::fault::point("after_inbox_commit");
                             if batch.matched > 0 {
                                 on_stored();
                             }

@@ -330,3 +330,49 @@ async fn a_thread_lease_is_exclusive_until_it_expires_and_then_lost_by_its_old_o
     assert!(!s.renew_lease("default", "t", "a", now + 3000).await.expect("store"), "the old owner lost it");
 }
 }
+
+both_engines! {
+async fn concurrent_saves_of_one_version_move_an_operation_once_and_record_only_the_winner() {
+    // On SQLite concurrent saves run together in one hop of the writer
+    // (src/store/save.rs); each must still be its own compare-and-set.
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        ids.push(app.enqueue_ok(&confirm(&format!("race-{i}"))).await);
+    }
+    let store = app.store();
+    let mut racers = tokio::task::JoinSet::new();
+    for id in &ids {
+        let op = store.get_operation(None, id).await.expect("read").expect("exists");
+        for who in ["a", "b"] {
+            let mut op = op.clone();
+            op.last_error = Some(format!("saved by {who}"));
+            let t = approvald::store::Transition::new(
+                Some(op.state),
+                op.state,
+                op.updated_at,
+                format!("racer {who}"),
+                "test",
+            );
+            let store = store.clone();
+            racers.spawn(async move {
+                let saved = store.save(&mut op, &[t], None).await.expect("save");
+                (op.id.clone(), who, saved)
+            });
+        }
+    }
+    let results = racers.join_all().await;
+    for id in &ids {
+        let winners: Vec<&str> =
+            results.iter().filter(|(i, _, saved)| i == id && *saved).map(|(_, who, _)| *who).collect();
+        assert_eq!(winners.len(), 1, "{id}: exactly one racer wins, got {winners:?}");
+        let op = store.get_operation(None, id).await.expect("read").expect("exists");
+        assert_eq!(op.last_error.as_deref(), Some(format!("saved by {}", winners[0]).as_str()));
+        let causes: Vec<String> =
+            store.transitions(id).await.expect("transitions").into_iter().map(|t| t.cause).collect();
+        assert!(causes.contains(&format!("racer {}", winners[0])), "{id}: {causes:?}");
+        let losers = causes.iter().filter(|c| c.starts_with("racer")).count();
+        assert_eq!(losers, 1, "{id}: only the winner's transition is recorded: {causes:?}");
+    }
+}
+}
