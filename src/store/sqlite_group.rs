@@ -39,6 +39,10 @@ struct State {
     tx: Option<Transaction<'static, Sqlite>>,
     /// Turns taken in the open transaction.
     turns: u32,
+    /// For the trace line of each commit (`RUST_LOG=approvald::store=trace`):
+    /// how long its writers waited for their turns and held them, and when
+    /// the last commit was. What bounds the writer is read from these
+    /// (docs/performance.md).
     wait_us: u64,
     hold_us: u64,
     last_commit: Option<std::time::Instant>,
