@@ -5,9 +5,9 @@
 //! It is the hottest write (four or five per approval), so each engine
 //! gets the fewest round trips it allows (docs/decisions.md §15): on
 //! PostgreSQL one statement of data-modifying CTEs, committed on its own
-//! (no BEGIN/COMMIT round trips); on SQLite two multi-statement hops to
-//! sqlx's connection thread inside the group commit's turn, where each hop
-//! is a thread wake-up that every other writer waits behind. Rows of any
+//! (no BEGIN/COMMIT round trips); on SQLite one multi-statement hop to
+//! sqlx's connection thread inside the group commit's turn (each hop is a
+//! thread wake-up that every other writer waits behind). Rows of any
 //! number go in as one JSON array parameter, so each engine has one fixed
 //! statement text, prepared once.
 
