@@ -149,6 +149,14 @@ pub struct BatchInsert {
     pub matched: u64,
 }
 
+/// Every entry of a batch stored fresh, in order.
+fn stored_results(entries: &[OwnedInboxEntry], stored: &HashMap<(String, String), i64>) -> Vec<InboxInsert> {
+    entries
+        .iter()
+        .map(|e| InboxInsert::Stored(stored[&(e.tenant.clone(), e.correlation_id.clone())]))
+        .collect()
+}
+
 /// The channel `signal_work` notifies.
 pub const WORK_CHANNEL: &str = "approvald_work";
 
@@ -204,10 +212,13 @@ pub struct Store {
 }
 
 /// Coalesces work signals into few NOTIFYs (see `Store::signal_work`).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct WorkSignal {
     again: std::sync::atomic::AtomicBool,
     running: std::sync::atomic::AtomicBool,
+    /// The NOTIFY payload: names this process, so its own listener can
+    /// pass over its own signals (see `Store::instance`).
+    instance: String,
 }
 
 impl Store {
@@ -252,7 +263,20 @@ impl Store {
             Backend::Sqlite(pool) => Some(SqliteGroup::new(pool.clone())),
             Backend::Postgres(_) => None,
         };
-        Ok(Self { backend, sqlite_group, work_signal: std::sync::Arc::default() })
+        let work_signal = std::sync::Arc::new(WorkSignal {
+            again: false.into(),
+            running: false.into(),
+            instance: format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
+        });
+        Ok(Self { backend, sqlite_group, work_signal })
+    }
+
+    /// Names this store handle (and its clones) in the NOTIFYs it sends.
+    /// Every writer in a process that signals work also wakes that
+    /// process's workers directly, so a listener skips its own signals
+    /// rather than waking a second worker to look for work already taken.
+    pub fn instance(&self) -> &str {
+        &self.work_signal.instance
     }
 
     pub fn is_postgres(&self) -> bool {
@@ -287,8 +311,11 @@ impl Store {
         tokio::spawn(async move {
             loop {
                 while signal.again.swap(false, SeqCst) {
-                    let sent =
-                        sqlx::query("SELECT pg_notify($1, '')").bind(WORK_CHANNEL).execute(&pool).await;
+                    let sent = sqlx::query("SELECT pg_notify($1, $2)")
+                        .bind(WORK_CHANNEL)
+                        .bind(&signal.instance)
+                        .execute(&pool)
+                        .await;
                     if let Err(e) = sent {
                         // Workers still find the work on their safety-net poll.
                         tracing::warn!(error = %e, "cannot NOTIFY other replicas of new work");
@@ -479,28 +506,6 @@ impl Store {
         })
     }
 
-    /// Whether an earlier answer of the thread still has resume work.
-    pub async fn earlier_answer_unfinished(
-        &self,
-        tenant: &str,
-        thread_id: &str,
-        seq: i64,
-    ) -> Result<bool, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM operations WHERE tenant = $1 AND thread_id = $2 \
-                 AND resume_seq IS NOT NULL AND resume_seq < $3 \
-                 AND (state IN ('answered', 'permitted', 'delivering') OR delivery = 'pending')",
-            )
-            .bind(tenant)
-            .bind(thread_id)
-            .bind(seq)
-            .fetch_one(pool)
-            .await?;
-            Ok(n > 0)
-        })
-    }
-
     pub async fn record_delivery(&self, d: &DeliveryRecord) -> Result<(), StoreError> {
         with_pool!(self, conn, PG, write => {
             insert_delivery!(&mut *conn, d).await?;
@@ -645,6 +650,8 @@ impl Store {
                 unique.push(i);
             }
         }
+        let now = entries.iter().map(|e| e.received_at).max().unwrap_or(0);
+        let pg = self.is_postgres();
         let mut sql = String::from(
             "WITH v (tenant, correlation_id, answer, answered_at, body, body_sha256, source, received_at) AS \
              (VALUES ",
@@ -666,17 +673,29 @@ impl Store {
                 p + 8
             ));
         }
+        sql.push_str(if pg { "), ins AS (" } else { ") " });
         sql.push_str(
-            ") INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
+            "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
              received_at) SELECT tenant, correlation_id, answer, answered_at, body, body_sha256, source, 'new', \
              received_at FROM v WHERE NOT EXISTS (SELECT 1 FROM archived_operations a \
                WHERE a.tenant = v.tenant AND a.decision_id = v.correlation_id) \
              ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id, tenant, correlation_id",
         );
+        if pg {
+            // The operations the stored rows answer are marked by the same
+            // statement (it sees the rows through `ins`), committed on its
+            // own: one round trip where BEGIN, insert, mark and COMMIT were
+            // four, on every callback's way to its acknowledgement.
+            sql.push_str(&format!(
+                "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
+                 AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
+                 RETURNING 1) SELECT id, tenant, correlation_id, (SELECT count(*) FROM m) AS matched FROM ins",
+                unique.len() * 8 + 1
+            ));
+        }
         let hashes: Vec<String> =
             unique.iter().map(|&i| crate::domain::keys::sha256_hex(&entries[i].body)).collect();
         with_pool!(self, conn, PG, write => {
-            let mut tx = conn.begin().await?;
             let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(false);
             for (n, &i) in unique.iter().enumerate() {
                 let e = &entries[i];
@@ -691,8 +710,32 @@ impl Store {
                     .bind(e.received_at);
             }
             let mut stored: HashMap<(String, String), i64> = HashMap::new();
-            for row in q.fetch_all(&mut *tx).await? {
-                stored.insert((row.try_get("tenant")?, row.try_get("correlation_id")?), row.try_get("id")?);
+            let mut matched: u64 = 0;
+            // SQLite: the insert is in the savepoint with the rest, so a
+            // failure undoes all of it. PostgreSQL: it is a statement of its
+            // own, and the repeats (rare) get a transaction after it.
+            let mut sqlite_insert = None;
+            if PG {
+                q = q.bind(now);
+                for row in q.fetch_all(&mut *conn).await? {
+                    stored.insert((row.try_get("tenant")?, row.try_get("correlation_id")?), row.try_get("id")?);
+                    matched = u64::try_from(row.try_get::<i64, _>("matched")?).unwrap_or(0);
+                }
+                if stored.len() == entries.len() {
+                    if matched > 0 {
+                        self.signal_work();
+                    }
+                    let results = stored_results(entries, &stored);
+                    return Ok(BatchInsert { results, matched });
+                }
+            } else {
+                sqlite_insert = Some(q);
+            }
+            let mut tx = conn.begin().await?;
+            if let Some(q) = sqlite_insert {
+                for row in q.fetch_all(&mut *tx).await? {
+                    stored.insert((row.try_get("tenant")?, row.try_get("correlation_id")?), row.try_get("id")?);
+                }
             }
             let mut revived = Vec::new();
             let mut results = Vec::with_capacity(entries.len());
@@ -720,9 +763,7 @@ impl Store {
                 };
                 results.push(r);
             }
-            let now = entries.iter().map(|e| e.received_at).max().unwrap_or(0);
-            let mut matched = 0;
-            if let (Some(lo), Some(hi)) = (stored.values().min(), stored.values().max()) {
+            if !PG && let (Some(lo), Some(hi)) = (stored.values().min(), stored.values().max()) {
                 matched += mark_waiting_answers!(tx, *lo, *hi, now);
             }
             for id in revived {
@@ -996,12 +1037,16 @@ impl Store {
         })
     }
 
-    /// The thread's oldest unprocessed inbox entry that matches an operation.
+    /// The thread's oldest unprocessed inbox entry that matches an
+    /// operation, and whether it is held back: answers of a thread resume
+    /// in arrival order, so one waits while an earlier answer still has
+    /// resume work. Read with the entry, not by a query of its own: it is
+    /// on every answer's path.
     pub async fn next_inbox_for_thread(
         &self,
         tenant: &str,
         thread_id: &str,
-    ) -> Result<Option<(InboxEntry, Operation)>, StoreError> {
+    ) -> Result<Option<(InboxEntry, Operation, bool)>, StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
             // Two lookups by unique keys rather than one join: the plan of a
             // join depends on statistics, which lag behind an inbox that
@@ -1016,25 +1061,32 @@ impl Store {
             .bind(thread_id)
             .fetch_all(pool)
             .await?;
-            let mut first: Option<(InboxEntry, Operation)> = None;
+            let mut first: Option<(InboxEntry, Operation, bool)> = None;
             let mut decisions = Vec::with_capacity(rows.len());
             for row in &rows {
                 let op = Operation::from_row(row)?;
                 let decision = op.decision_id.clone().unwrap_or_default();
-                let entry = sqlx::query(concat!(
+                let row = sqlx::query(concat!(
                     "SELECT ",
                     inbox_cols!(),
-                    " FROM inbox WHERE tenant = $1 AND correlation_id = $2 AND state = 'new'"
+                    ", EXISTS (SELECT 1 FROM operations e WHERE e.tenant = $1 AND e.thread_id = $3 \
+                       AND e.resume_seq IS NOT NULL AND e.resume_seq < inbox.id \
+                       AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending')) \
+                       AS held_back \
+                     FROM inbox WHERE tenant = $1 AND correlation_id = $2 AND state = 'new'"
                 ))
                 .bind(tenant)
                 .bind(&decision)
+                .bind(thread_id)
                 .fetch_optional(pool)
                 .await?;
                 decisions.push(decision);
-                if let Some(entry) = entry.as_ref().map(InboxEntry::from_row).transpose()?
-                    && first.as_ref().is_none_or(|(e, _)| entry.id < e.id)
-                {
-                    first = Some((entry, op));
+                if let Some(row) = row {
+                    let entry = InboxEntry::from_row(&row)?;
+                    if first.as_ref().is_none_or(|(e, _, _)| entry.id < e.id) {
+                        let held_back: bool = row.try_get("held_back")?;
+                        first = Some((entry, op, held_back));
+                    }
                 }
             }
             if first.is_none() && !decisions.is_empty() {

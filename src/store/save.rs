@@ -216,7 +216,26 @@ impl Store {
     /// the inbox entry it consumed (`(id, state, note)`), and the calls and
     /// delivery attempt noted on it. Returns false, changing nothing but
     /// the record of calls and attempts, if another writer moved `op` first.
+    /// Workers on every replica are told when it leaves work due.
     pub async fn save(
+        &self,
+        op: &mut Operation,
+        transitions: &[Transition],
+        inbox: Option<(i64, &str, Option<&str>)>,
+    ) -> Result<bool, StoreError> {
+        let saved = self.save_held(op, transitions, inbox).await?;
+        if saved && (op.due_at.is_some() || op.resume_seq.is_some()) {
+            self.signal_work();
+        }
+        Ok(saved)
+    }
+
+    /// `save` by the worker holding the operation's thread, which goes on
+    /// with the thread's due work itself: no other worker is told. On
+    /// PostgreSQL telling them was a NOTIFY per save, and each woke a
+    /// worker (on every replica) to read the work queue and find nothing
+    /// it could take, as the thread is held.
+    pub async fn save_held(
         &self,
         op: &mut Operation,
         transitions: &[Transition],
@@ -267,9 +286,6 @@ impl Store {
         op.unrecorded_calls.clear();
         if saved {
             op.version += 1;
-            if op.due_at.is_some() || op.resume_seq.is_some() {
-                self.signal_work();
-            }
         }
         Ok(saved)
     }

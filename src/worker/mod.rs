@@ -9,7 +9,7 @@ mod steps;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
@@ -76,6 +76,10 @@ pub struct Engine {
     pub(crate) http: reqwest::Client,
     pub(crate) settings: EngineSettings,
     pub(crate) wake: Arc<Notify>,
+    /// Wakes the tick keeper (worker 0) early: a step was scheduled before
+    /// `tick_at`, the time it means to wake next (ms; MAX while it works).
+    tick: Notify,
+    tick_at: AtomicI64,
     owner: String,
     next_owner: AtomicU64,
     /// Decisions archived by the last sweep, whose racing replays the next
@@ -132,6 +136,8 @@ impl Engine {
             http,
             settings,
             wake,
+            tick: Notify::new(),
+            tick_at: AtomicI64::new(i64::MAX),
             owner,
             next_owner: AtomicU64::new(0),
             archived_last_sweep: std::sync::Mutex::default(),
@@ -177,6 +183,15 @@ impl Engine {
     /// wakes as many workers as it needs, and one callback wakes one.
     pub fn wake(&self) {
         self.wake.notify_one();
+    }
+
+    /// A step of an operation on a held thread comes due at `at`. Due now,
+    /// the holder does it; later, the tick keeper must wake for it, and it
+    /// only knows the schedule it read before its nap.
+    pub(crate) fn scheduled(&self, at: i64) {
+        if at > now_ms() && at < self.tick_at.load(Ordering::SeqCst) {
+            self.tick.notify_one();
+        }
     }
 
     /// The delay before retry number `attempt` (1-based), exponential with
@@ -288,16 +303,20 @@ impl Engine {
                 }
                 renewed = now;
             }
-            if let Some((entry, op)) = self.store.next_inbox_for_thread(tenant, thread).await? {
-                self.apply_answer(entry, op).await?;
+            if let Some((entry, op, held_back)) = self.store.next_inbox_for_thread(tenant, thread).await? {
+                self.apply_answer(entry, op, held_back).await?;
                 continue;
             }
             if let Some(op) = self.store.next_due_for_thread(tenant, thread, now).await? {
                 self.step(op).await?;
                 continue;
             }
-            break;
+            return Ok(());
         }
+        // Saves on a held thread tell no one (`Store::save_held`); work
+        // left at the bound is offered to the other workers and replicas.
+        self.wake();
+        self.store.signal_work();
         Ok(())
     }
 
@@ -348,6 +367,8 @@ impl Engine {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     n = listener.recv() => match n {
+                        // Our own: whoever signalled woke our workers already.
+                        Ok(n) if n.payload() == self.store.instance() => {}
                         Ok(_) => self.wake(),
                         Err(e) => {
                             tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
@@ -393,17 +414,28 @@ impl Engine {
             // store for it on every worker's every nap cost two reads per
             // approval under load.
             let mut nap = self.settings.idle_poll * 12;
+            let tick = self.tick.notified();
+            tokio::pin!(tick);
             if index == 0 {
+                // Registered before the schedule is read: a step scheduled
+                // after the read wakes us (`scheduled`).
+                tick.as_mut().enable();
                 nap = self.settings.idle_poll;
                 if let Ok(Some(at)) = self.store.next_due_at().await {
                     let until = u64::try_from((at - now_ms()).max(1)).unwrap_or(1);
                     nap = nap.min(Duration::from_millis(until));
                 }
+                let wake_at = now_ms().saturating_add(i64::try_from(nap.as_millis()).unwrap_or(i64::MAX));
+                self.tick_at.store(wake_at, Ordering::SeqCst);
             }
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = &mut notified => {}
+                () = &mut tick, if index == 0 => {}
                 () = tokio::time::sleep(nap) => {}
+            }
+            if index == 0 {
+                self.tick_at.store(i64::MAX, Ordering::SeqCst);
             }
         }
     }

@@ -85,15 +85,45 @@ pub(crate) fn needs_work(op: &Operation) -> bool {
 }
 
 impl Engine {
+    /// Saves a step of an operation on the thread this worker holds
+    /// (`Store::save_held`): `work_thread` goes on with what the save left
+    /// due now, and a step scheduled for later is the tick keeper's, told
+    /// here so it wakes for it.
+    async fn save(
+        &self,
+        op: &mut Operation,
+        transitions: &[Transition],
+        inbox: Option<(i64, &str, Option<&str>)>,
+    ) -> Result<bool, StoreError> {
+        let saved = self.store.save_held(op, transitions, inbox).await?;
+        if saved && let Some(at) = op.due_at {
+            self.scheduled(at);
+        }
+        Ok(saved)
+    }
+
     /// Applies an inbox entry to the operation its correlation id names.
-    pub(crate) async fn apply_answer(&self, entry: InboxEntry, op: Operation) -> Result<(), StoreError> {
+    /// `held_back`: an earlier answer of the thread still has resume work,
+    /// so this one waits (answers of a thread resume in arrival order; it
+    /// is released when that one finishes).
+    pub(crate) async fn apply_answer(
+        &self,
+        entry: InboxEntry,
+        op: Operation,
+        held_back: bool,
+    ) -> Result<(), StoreError> {
         // Every line logged while resuming carries the three ids.
         let span = tracing::info_span!("resume", operation_id = %op.id, thread_id = %op.thread_id,
             correlation_id = %entry.correlation_id, inbox_id = entry.id);
-        self.apply_answer_inner(entry, op).instrument(span).await
+        self.apply_answer_inner(entry, op, held_back).instrument(span).await
     }
 
-    async fn apply_answer_inner(&self, entry: InboxEntry, mut op: Operation) -> Result<(), StoreError> {
+    async fn apply_answer_inner(
+        &self,
+        entry: InboxEntry,
+        mut op: Operation,
+        held_back: bool,
+    ) -> Result<(), StoreError> {
         let now = now_ms();
         if op.state != State::Pending {
             // Already answered, expired or cancelled: the callback changes nothing.
@@ -119,10 +149,7 @@ impl Engine {
             transition(&mut op, State::Answered, format!("answer received via {}", entry.source), ACTOR)
         };
         op.poll_at = None;
-        // Answers of a thread resume in arrival order: this one waits while
-        // an earlier one still has work (it is released when that finishes).
         op.resume_seq = Some(entry.id);
-        let held_back = self.store.earlier_answer_unfinished(&op.tenant, &op.thread_id, entry.id).await?;
         if held_back {
             op.due_at = None;
         }
@@ -144,7 +171,7 @@ impl Engine {
         applying: Option<&Applying<'_>>,
     ) -> Result<bool, StoreError> {
         let inbox = applying.map(|a| (a.inbox_id, "processed", Some(a.note)));
-        let saved = self.store.save(op, pending, inbox).await?;
+        let saved = self.save(op, pending, inbox).await?;
         if saved && applying.is_some() {
             tracing::info!(state = %op.state, "answer applied");
             self.metrics.inc("approvald_resumes_total", &[("state", op.state.as_str())]);
@@ -169,7 +196,7 @@ impl Engine {
             _ => {
                 let mut op = op;
                 op.due_at = None;
-                self.store.save(&mut op, &[], None).await.map(|_| ())
+                self.save(&mut op, &[], None).await.map(|_| ())
             }
         }
     }
@@ -188,7 +215,7 @@ impl Engine {
         if now >= op.deadline {
             let t =
                 reject(&mut op, State::Expired, "deadline passed before the decision could be opened", ACTOR);
-            self.store.save(&mut op, &[t], None).await?;
+            self.save(&mut op, &[t], None).await?;
             return Ok(());
         }
         let clock = CallClock::start();
@@ -211,7 +238,7 @@ impl Engine {
                     format!("decision {} opened", created.decision_id),
                     ACTOR,
                 );
-                if self.store.save(&mut op, &[t], None).await? {
+                if self.save(&mut op, &[t], None).await? {
                     tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %created.decision_id, "decision opened");
                     // An answer that came so early it was marked orphaned is live again.
                     self.store.revive_orphan(&op.tenant, &created.decision_id).await?;
@@ -222,14 +249,14 @@ impl Engine {
             {
                 let t =
                     reject(&mut op, State::Unreachable, format!("recipient not reachable: {message}"), ACTOR);
-                self.store.save(&mut op, &[t], None).await?;
+                self.save(&mut op, &[t], None).await?;
             }
             Err(e) => {
                 // Retried with the identical payload until the deadline;
                 // a 4xx here is a configuration problem an operator can fix.
                 tracing::warn!(operation_id = %op.id, error = %e, "opening the decision failed; will retry");
                 self.retry_later(&mut op, &e.to_string());
-                self.store.save(&mut op, &[], None).await?;
+                self.save(&mut op, &[], None).await?;
             }
         }
         Ok(())
@@ -330,20 +357,20 @@ impl Engine {
                     "permit already consumed after an attempt whose response was lost",
                     ACTOR,
                 );
-                self.store.save(&mut op, &[t], None).await?;
+                self.save(&mut op, &[t], None).await?;
             }
             Err(e) if e.refusal().is_some() || (e.status().is_some() && !e.is_retryable()) => {
                 op.consume_inflight = false;
                 let why = e.refusal().map_or_else(|| e.to_string(), str::to_string);
                 let t = reject(&mut op, State::Refused, format!("permit refused: {why}"), ACTOR);
-                self.store.save(&mut op, &[t], None).await?;
+                self.save(&mut op, &[t], None).await?;
             }
             Err(e) => {
                 // Transport failure is never permission: keep the flag set so
                 // an `already_consumed` on retry reads as uncertain.
                 tracing::warn!(operation_id = %op.id, error = %e, "consume failed; will retry");
                 self.retry_later(&mut op, &e.to_string());
-                self.store.save(&mut op, &[], None).await?;
+                self.save(&mut op, &[], None).await?;
             }
         }
         Ok(())
@@ -362,7 +389,7 @@ impl Engine {
             if now >= op.deadline {
                 let t = reject(&mut op, State::Expired, "deadline passed before the effect ran", ACTOR);
                 pending.push(t);
-                self.store.save(&mut op, &pending, None).await?;
+                self.save(&mut op, &pending, None).await?;
                 return Ok(());
             }
             let t = transition(&mut op, State::Delivering, "delivering the approval", ACTOR);
@@ -390,7 +417,7 @@ impl Engine {
         op.delivery_inflight = true;
         op.attempts += 1;
         op.updated_at = now;
-        if !self.store.save(&mut op, &pending, None).await? {
+        if !self.save(&mut op, &pending, None).await? {
             return Ok(());
         }
         crate::fault::point("after_delivering_recorded");
@@ -438,10 +465,10 @@ impl Engine {
                     op.delivery = Some("abandoned".into());
                     let t = transition(&mut op, State::Failed, format!("delivery abandoned: {error}"), ACTOR);
                     op.due_at = None;
-                    self.store.save(&mut op, &[t], None).await?;
+                    self.save(&mut op, &[t], None).await?;
                     return Ok(());
                 }
-                self.store.save(&mut op, &[], None).await?;
+                self.save(&mut op, &[], None).await?;
             }
         }
         Ok(())
@@ -453,7 +480,7 @@ impl Engine {
         let t = transition(&mut op, State::Uncertain, cause, ACTOR);
         op.due_at = None;
         tracing::warn!(operation_id = %op.id, thread_id = %op.thread_id, "operation uncertain: {cause}");
-        self.store.save(&mut op, &[t], None).await.map(|_| ())
+        self.save(&mut op, &[t], None).await.map(|_| ())
     }
 
     /// A fail-closed outcome is delivered so the app can resume with a rejection.
@@ -478,18 +505,18 @@ impl Engine {
                 if op.updated_at - op.created_at > self.settings.rejection_window_ms {
                     op.delivery = Some("abandoned".into());
                 } else {
-                    return self.store.save(&mut op, &[], None).await.map(|_| ());
+                    return self.save(&mut op, &[], None).await.map(|_| ());
                 }
             }
         }
         op.due_at = needs_work(&op).then_some(now_ms());
-        self.store.save(&mut op, &[], None).await.map(|_| ())
+        self.save(&mut op, &[], None).await.map(|_| ())
     }
 
     /// Records the effect's outcome, then goes straight on to the receipt
     /// it leaves due, sparing the worker a look for the thread's next work.
     async fn then_receipt(&self, mut op: Operation, transitions: &[Transition]) -> Result<(), StoreError> {
-        if self.store.save(&mut op, transitions, None).await? && op.receipt.as_deref() == Some("pending") {
+        if self.save(&mut op, transitions, None).await? && op.receipt.as_deref() == Some("pending") {
             return self.record_receipt(op).await;
         }
         Ok(())
@@ -500,7 +527,7 @@ impl Engine {
         let (Some(permit), Some(outcome)) = (op.permit_id.clone(), op.receipt_outcome.clone()) else {
             op.receipt = None;
             op.due_at = needs_work(&op).then_some(now_ms());
-            return self.store.save(&mut op, &[], None).await.map(|_| ());
+            return self.save(&mut op, &[], None).await.map(|_| ());
         };
         crate::fault::point("before_receipt");
         let summary = format!("approvald operation {} ended {}", op.id, op.state);
@@ -521,12 +548,12 @@ impl Engine {
             }
             Err(e) => {
                 self.retry_later(&mut op, &format!("receipt: {e}"));
-                return self.store.save(&mut op, &[], None).await.map(|_| ());
+                return self.save(&mut op, &[], None).await.map(|_| ());
             }
         }
         op.updated_at = now_ms();
         op.due_at = needs_work(&op).then_some(op.updated_at);
-        self.store.save(&mut op, &[], None).await.map(|_| ())
+        self.save(&mut op, &[], None).await.map(|_| ())
     }
 }
 
