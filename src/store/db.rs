@@ -109,18 +109,20 @@ macro_rules! insert_transition {
 /// Marks the operations whose answer now waits in the inbox, among the
 /// inbox rows `$lo..=$hi`; evaluates to how many were marked.
 macro_rules! mark_waiting_answers {
-    ($tx:ident, $lo:expr, $hi:expr, $now:expr) => {
-        sqlx::query(
+    ($tx:ident, $lo:expr, $hi:expr, $now:expr, $threads:expr) => {
+        for row in sqlx::query(
             "UPDATE operations SET inbox_at = $3 WHERE inbox_at IS NULL AND decision_id IS NOT NULL \
              AND (tenant, decision_id) IN (SELECT i.tenant, i.correlation_id FROM inbox i \
-               WHERE i.id BETWEEN $1 AND $2 AND i.state = 'new')",
+               WHERE i.id BETWEEN $1 AND $2 AND i.state = 'new') RETURNING tenant, thread_id",
         )
         .bind($lo)
         .bind($hi)
         .bind($now)
-        .execute(&mut *$tx)
+        .fetch_all(&mut *$tx)
         .await?
-        .rows_affected()
+        {
+            $threads.push((row.try_get("tenant")?, row.try_get("thread_id")?));
+        }
     };
 }
 
@@ -147,6 +149,9 @@ macro_rules! insert_delivery {
 pub struct BatchInsert {
     pub results: Vec<InboxInsert>,
     pub matched: u64,
+    /// The threads of the operations marked, for the workers of this
+    /// process to take without first reading the store for work.
+    pub threads: Vec<(String, String)>,
 }
 
 /// Every entry of a batch stored fresh, in order.
@@ -689,7 +694,8 @@ impl Store {
             sql.push_str(&format!(
                 "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
                  AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
-                 RETURNING 1) SELECT id, tenant, correlation_id, (SELECT count(*) FROM m) AS matched FROM ins",
+                 RETURNING o.tenant, o.decision_id, o.thread_id) SELECT ins.id, ins.tenant, ins.correlation_id, \
+                 m.thread_id FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
                 unique.len() * 8 + 1
             ));
         }
@@ -710,7 +716,7 @@ impl Store {
                     .bind(e.received_at);
             }
             let mut stored: HashMap<(String, String), i64> = HashMap::new();
-            let mut matched: u64 = 0;
+            let mut threads: Vec<(String, String)> = Vec::new();
             // SQLite: the insert is in the savepoint with the rest, so a
             // failure undoes all of it. PostgreSQL: it is a statement of its
             // own, and the repeats (rare) get a transaction after it.
@@ -718,15 +724,14 @@ impl Store {
             if PG {
                 q = q.bind(now);
                 for row in q.fetch_all(&mut *conn).await? {
-                    stored.insert((row.try_get("tenant")?, row.try_get("correlation_id")?), row.try_get("id")?);
-                    matched = u64::try_from(row.try_get::<i64, _>("matched")?).unwrap_or(0);
+                    let tenant: String = row.try_get("tenant")?;
+                    if let Some(thread) = row.try_get::<Option<String>, _>("thread_id")? {
+                        threads.push((tenant.clone(), thread));
+                    }
+                    stored.insert((tenant, row.try_get("correlation_id")?), row.try_get("id")?);
                 }
                 if stored.len() == entries.len() {
-                    if matched > 0 {
-                        self.signal_work();
-                    }
-                    let results = stored_results(entries, &stored);
-                    return Ok(BatchInsert { results, matched });
+                    return Ok(self.batch_done(stored_results(entries, &stored), threads));
                 }
             } else {
                 sqlite_insert = Some(q);
@@ -764,17 +769,26 @@ impl Store {
                 results.push(r);
             }
             if !PG && let (Some(lo), Some(hi)) = (stored.values().min(), stored.values().max()) {
-                matched += mark_waiting_answers!(tx, *lo, *hi, now);
+                mark_waiting_answers!(tx, *lo, *hi, now, threads);
             }
             for id in revived {
-                matched += mark_waiting_answers!(tx, id, id, now);
+                mark_waiting_answers!(tx, id, id, now, threads);
             }
             tx.commit().await?;
-            if matched > 0 {
-                self.signal_work();
-            }
-            Ok(BatchInsert { results, matched })
+            Ok(self.batch_done(results, threads))
         })
+    }
+
+    /// A committed batch: other replicas are told when operations now
+    /// have an answer waiting.
+    fn batch_done(&self, results: Vec<InboxInsert>, mut threads: Vec<(String, String)>) -> BatchInsert {
+        let matched = threads.len() as u64;
+        threads.sort_unstable();
+        threads.dedup();
+        if matched > 0 {
+            self.signal_work();
+        }
+        BatchInsert { results, matched, threads }
     }
 
     pub async fn list_inbox(&self, state: Option<&str>, limit: i64) -> Result<Vec<InboxEntry>, StoreError> {

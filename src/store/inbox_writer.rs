@@ -40,7 +40,9 @@ pub struct InboxWriter {
 impl InboxWriter {
     /// Starts the writer tasks. They end when every handle is dropped,
     /// after committing what was queued.
-    pub fn start(store: Store, on_stored: impl Fn() + Send + Sync + 'static) -> Self {
+    /// `on_stored` gets the threads whose operations now have an answer
+    /// waiting, after the commit that holds it.
+    pub fn start(store: Store, on_stored: impl Fn(&[(String, String)]) + Send + Sync + 'static) -> Self {
         let (tx, rx) = mpsc::channel::<Job>(MAX_BATCH * 4);
         let rx = Arc::new(Mutex::new(rx));
         let on_stored = Arc::new(on_stored);
@@ -65,8 +67,8 @@ impl InboxWriter {
                             // than in the handler, so that no worker of this
                             // process has begun on them when the process dies.
                             crate::fault::point("after_inbox_commit");
-                            if batch.matched > 0 {
-                                on_stored();
+                            if !batch.threads.is_empty() {
+                                on_stored(&batch.threads);
                             }
                             for ((_, reply), r) in jobs.drain(..).zip(batch.results) {
                                 let _ = reply.send(Ok(r));
@@ -78,8 +80,10 @@ impl InboxWriter {
                             tracing::warn!(error = %e, batch = jobs.len(), "inbox batch failed; retrying singly");
                             for (entry, reply) in jobs.drain(..) {
                                 let r = store.insert_inbox_batch(std::slice::from_ref(&entry)).await;
-                                if r.as_ref().is_ok_and(|b| b.matched > 0) {
-                                    on_stored();
+                                if let Ok(b) = &r
+                                    && !b.threads.is_empty()
+                                {
+                                    on_stored(&b.threads);
                                 }
                                 let r = r.map(|mut b| b.results.remove(0));
                                 let _ = reply.send(r);

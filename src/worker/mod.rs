@@ -185,6 +185,22 @@ impl Engine {
         self.wake.notify_one();
     }
 
+    /// Threads that were just given work (answers stored for them), put
+    /// before the workers with a wake-up, so the one woken takes its thread
+    /// without reading the store for work first (a round trip on every
+    /// callback's way to its effect). A hint only: if a worker is reading
+    /// the store for work just then, the woken worker reads it again.
+    pub fn offer(&self, threads: &[(String, String)]) {
+        if let Ok(mut queue) = self.candidates.try_lock() {
+            for t in threads {
+                if !queue.contains(t) {
+                    queue.push_back(t.clone());
+                }
+            }
+        }
+        self.wake();
+    }
+
     /// A step of an operation on a held thread comes due at `at`. Due now,
     /// the holder does it; later, the tick keeper must wake for it, and it
     /// only knows the schedule it read before its nap.
