@@ -702,7 +702,11 @@ impl Store {
         let hashes: Vec<String> =
             unique.iter().map(|&i| crate::domain::keys::sha256_hex(&entries[i].body)).collect();
         with_pool!(self, conn, PG, write => {
-            let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(false);
+            // The text depends on the batch's size. The small sizes, which
+            // a callback arriving alone meets, are prepared once per
+            // connection; the rest are parsed each time rather than filling
+            // the statement cache.
+            let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(unique.len() <= 4);
             for (n, &i) in unique.iter().enumerate() {
                 let e = &entries[i];
                 q = q
