@@ -205,6 +205,21 @@ impl ProcStats {
     }
 }
 
+/// CPU seconds the whole machine has spent busy (every core, every
+/// process, the kernel), from /proc/stat: what is not idle or waiting on I/O.
+pub fn machine_busy_secs() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .map(|l| l.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect())
+        .unwrap_or_default();
+    // user nice system idle iowait irq softirq steal …, in USER_HZ (100/s).
+    let busy: u64 =
+        ticks.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, t)| t).sum();
+    busy as f64 / 100.0
+}
+
 /// A free loopback port, for a child process to bind.
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
