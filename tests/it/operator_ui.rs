@@ -77,6 +77,26 @@ async fn metrics_count_callbacks_pushary_calls_deliveries_sweeps_and_the_store()
 }
 
 both_engines! {
+async fn every_pushary_call_and_delivery_attempt_of_an_approval_is_recorded_with_its_step() {
+    let app = TestApp::spawn().await;
+    let id = app.enqueue_ok(&confirm("recorded-calls")).await;
+    let decision = app.decision_of(&id).await;
+    app.answer(&decision, "yes").await;
+    app.wait_op(&id, "receipt recorded", |o| o["receipt"] == "recorded").await;
+    // Each is written by the save of the step that made it (the open, the
+    // consume, the receipt, the delivery's outcome), none by a write of its own.
+    let calls = app.store().pushary_calls(&id).await.expect("store");
+    let names: Vec<&str> = calls.iter().map(|c| c.call.as_str()).collect();
+    assert_eq!(names, ["create_decision", "consume", "record_receipt"], "{calls:#?}");
+    // A call that succeeded is recorded without an error.
+    assert!(calls.iter().all(|c| c.error.is_none() && c.status_code.is_none()), "{calls:#?}");
+    let deliveries = app.store().deliveries(&id).await.expect("store");
+    assert_eq!(deliveries.len(), 1, "{deliveries:#?}");
+    assert!(deliveries[0].status_code.is_some_and(|s| (200..300).contains(&s)), "{deliveries:#?}");
+}
+}
+
+both_engines! {
 async fn readiness_says_when_the_store_is_behind_or_gone() {
     let app = TestApp::spawn().await;
     let get = |path: &'static str| {
