@@ -107,7 +107,7 @@ macro_rules! insert_transition {
 }
 
 /// Marks the operations whose answer now waits in the inbox, among the
-/// inbox rows `$lo..=$hi`; evaluates to how many were marked.
+/// inbox rows `$lo..=$hi`, and adds their threads to `$threads`.
 macro_rules! mark_waiting_answers {
     ($tx:ident, $lo:expr, $hi:expr, $now:expr, $threads:expr) => {
         for row in sqlx::query(
@@ -143,14 +143,13 @@ macro_rules! insert_delivery {
     };
 }
 
-/// What a batch of callbacks did: one result per entry, and how many
-/// operations now have an answer waiting (zero: no worker need wake).
+/// What a batch of callbacks did: one result per entry, and the threads
+/// whose operations now have an answer waiting (none: no worker need wake),
+/// for the workers of this process to take without first reading the store
+/// for work.
 #[derive(Debug)]
 pub struct BatchInsert {
     pub results: Vec<InboxInsert>,
-    pub matched: u64,
-    /// The threads of the operations marked, for the workers of this
-    /// process to take without first reading the store for work.
     pub threads: Vec<(String, String)>,
 }
 
@@ -786,13 +785,12 @@ impl Store {
     /// A committed batch: other replicas are told when operations now
     /// have an answer waiting.
     fn batch_done(&self, results: Vec<InboxInsert>, mut threads: Vec<(String, String)>) -> BatchInsert {
-        let matched = threads.len() as u64;
         threads.sort_unstable();
         threads.dedup();
-        if matched > 0 {
+        if !threads.is_empty() {
             self.signal_work();
         }
-        BatchInsert { results, matched, threads }
+        BatchInsert { results, threads }
     }
 
     pub async fn list_inbox(&self, state: Option<&str>, limit: i64) -> Result<Vec<InboxEntry>, StoreError> {
