@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde_json::json;
 
+use super::raw_http::RawClient;
 use super::report::Latencies;
 use super::target::EffectLog;
 use crate::sandbox::{CallbackMode, SandboxHandle};
@@ -118,8 +119,7 @@ pub async fn ingest(
     rate: Option<f64>,
     progress: &str,
 ) -> anyhow::Result<Ingest> {
-    let http = crate::http::client_builder().pool_max_idle_per_host(clients).build()?;
-    let url = format!("{base}/v1/callbacks/pushary");
+    let path = "/v1/callbacks/pushary";
     let run = Duration::from_secs_f64(secs);
     let run_id = format!("{:08x}", rand::random::<u32>());
     let acked = Arc::new(AtomicU64::new(0));
@@ -129,7 +129,7 @@ pub async fn ingest(
     let start = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..clients {
-        let (http, url, secret, run_id) = (http.clone(), url.clone(), secret.to_string(), run_id.clone());
+        let (base, secret, run_id) = (base.to_string(), secret.to_string(), run_id.clone());
         let (acked, errors) = (Arc::clone(&acked), Arc::clone(&errors));
         // Paced clients send at fixed times, whether or not earlier ones were slow
         // (open loop), so a stall shows up in the latency instead of hiding it.
@@ -137,6 +137,7 @@ pub async fn ingest(
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
             let mut n = 0u64;
+            let mut conn = None;
             let offset = interval.map_or(Duration::ZERO, |i| i.mul_f64(c as f64 / clients as f64));
             loop {
                 let due = interval.map(|i| start + offset + i.mul_f64(n as f64));
@@ -149,14 +150,24 @@ pub async fn ingest(
                 let body = payload(&format!("dec_{run_id}_{c}_{n}"));
                 let sig = crate::pushary::signature::sign(&secret, &body);
                 let sent = due.unwrap_or_else(Instant::now);
-                let r = http.post(&url).header("x-pushary-signature", sig).body(body).send().await;
+                if conn.is_none() {
+                    conn = RawClient::connect(&base).await.ok();
+                }
+                let r = match conn.as_mut() {
+                    Some(c) => c.post(path, ("x-pushary-signature", &sig), &body).await,
+                    None => Err(std::io::ErrorKind::NotConnected.into()),
+                };
                 match r {
-                    Ok(r) if r.status().is_success() => {
-                        let _ = r.bytes().await;
+                    Ok(status) if (200..300).contains(&status) => {
                         lat.push(sent.elapsed());
                         acked.fetch_add(1, Ordering::Relaxed);
                     }
-                    _ => {
+                    Ok(_) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        // A broken connection is replaced on the next request.
+                        conn = None;
                         errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }

@@ -4,6 +4,7 @@
 //! many-fold between runs, so only the ratios compare across runs.
 
 mod load;
+mod raw_http;
 mod report;
 mod target;
 
@@ -160,9 +161,16 @@ async fn measure(
         let url = db.url.clone();
         let (clients, secs) = (o.clients, o.secs);
         async move {
+            let busy = machine_busy_secs();
             let b = load::baseline(&url, clients, secs).await?;
-            eprintln!("{name}: baseline {label}: {b:.0} single-row commits/s");
-            anyhow::Ok(b)
+            // The machine's CPU (the database, its client, the kernel) per
+            // commit: what one durable write costs, the floor under the
+            // end-to-end figure's CPU per approval.
+            let cpu_ms = (machine_busy_secs() - busy) * 1000.0 / (b * secs).max(1.0);
+            eprintln!(
+                "{name}: baseline {label}: {b:.0} single-row commits/s, {cpu_ms:.3} ms of machine CPU each"
+            );
+            anyhow::Ok((b, cpu_ms))
         }
     };
     let row = |figure: &str,
@@ -181,12 +189,14 @@ async fn measure(
     };
 
     // Ingest, between two baselines.
-    let b1 = baseline("1").await?;
+    let (b1, _) = baseline("1").await?;
     let before = daemon.stats();
+    let split = CpuSplit::start(&daemon);
     let full =
         load::ingest(&daemon.base, &secret, o.clients, o.secs, None, &format!("{name}: ingest")).await?;
+    let ingest_split = split.finish(&daemon, full.latency.len() as f64 / 1000.0, o.secs);
     let after = daemon.stats();
-    let b2 = baseline("2").await?;
+    let (b2, _) = baseline("2").await?;
     let b12 = (b1 + b2) / 2.0;
     let ratio = full.acked_per_sec / b12;
     let need = if pg { 1.5 } else { 5.0 };
@@ -215,6 +225,14 @@ async fn measure(
     rows.push(row(
         "ingest CPU seconds (approvald) / per 1000 callbacks",
         format!("{cpu:.1} s / {:.2} s", cpu / (full.latency.len().max(1) as f64 / 1000.0)),
+        None,
+        None,
+        "-",
+        None,
+    ));
+    rows.push(row(
+        "ingest CPU ms per 1000 callbacks: approvald / load side / rest (database, kernel); machine busy",
+        ingest_split,
         None,
         None,
         "-",
@@ -255,12 +273,10 @@ async fn measure(
     let e2e_tag = format!("e2e{:06x}", rand::random::<u32>() >> 8);
     eprintln!("{name}: opening {} operations", o.ops);
     let decisions = load::open_operations(&daemon.base, TOKEN, &sandbox, o.ops, &e2e_tag).await?;
-    let cpu_before =
-        (daemon.stats().cpu_secs, ProcStats::read(std::process::id()).cpu_secs, machine_busy_secs());
+    let split = CpuSplit::start(&daemon);
     let e2e = load::answer_all(&sandbox, &effects, &decisions, None, &format!("{name}: end to end")).await?;
-    let cpu_after =
-        (daemon.stats().cpu_secs, ProcStats::read(std::process::id()).cpu_secs, machine_busy_secs());
-    let b3 = baseline("3").await?;
+    let e2e_split = split.finish(&daemon, e2e.count as f64, e2e.count as f64 / e2e.approvals_per_sec);
+    let (b3, commit_cpu_ms) = baseline("3").await?;
     let b23 = (b2 + b3) / 2.0;
     let need = if pg { 2000.0 } else { 1000.0 };
     rows.push(row(
@@ -271,19 +287,17 @@ async fn measure(
         &format!("≥ {need:.0}/s"),
         Some(e2e.approvals_per_sec >= need),
     ));
-    // Where the machine's time went, per approval: what bounds the rate
-    // when the two cores are busy (docs/performance.md).
-    let per = |a: f64, b: f64| (b - a) * 1000.0 / e2e.count as f64;
-    let (ours, load_side, machine) =
-        (per(cpu_before.0, cpu_after.0), per(cpu_before.1, cpu_after.1), per(cpu_before.2, cpu_after.2));
-    let elapsed = e2e.count as f64 / e2e.approvals_per_sec;
     rows.push(row(
         "end to end CPU ms per approval: approvald / load side / rest (database, kernel); machine busy",
-        format!(
-            "{ours:.2} / {load_side:.2} / {:.2}; {:.0}%",
-            (machine - ours - load_side).max(0.0),
-            (cpu_after.2 - cpu_before.2) / elapsed / cores() * 100.0
-        ),
+        e2e_split,
+        None,
+        None,
+        "-",
+        None,
+    ));
+    rows.push(row(
+        "baseline: machine CPU ms per single-row commit (database, its client, kernel)",
+        format!("{commit_cpu_ms:.3} ms"),
         None,
         None,
         "-",
@@ -357,7 +371,7 @@ async fn measure(
             &format!("{name}: end to end, full store"),
         )
         .await?;
-        let b4 = baseline("4").await?;
+        let (b4, _) = baseline("4").await?;
         let rel = grown.approvals_per_sec / e2e.approvals_per_sec;
         rows.push(row(
             &format!("end to end with {} finished rows (vs empty)", o.growth_rows),
@@ -408,6 +422,41 @@ async fn wait_quiet(sandbox: &crate::sandbox::SandboxHandle) {
             return;
         }
         last = now;
+    }
+}
+
+/// Where the machine's time went during a run, per item: what bounds the
+/// rate when the two cores are busy (docs/performance.md). The load side is
+/// this process (the load generator, the sandbox, the effect target); the
+/// rest is the database's processes and the kernel (on SQLite the database
+/// runs inside approvald, so the rest is near zero).
+struct CpuSplit {
+    ours: f64,
+    load_side: f64,
+    machine: f64,
+}
+
+impl CpuSplit {
+    fn start(daemon: &Daemon) -> Self {
+        Self {
+            ours: daemon.stats().cpu_secs,
+            load_side: ProcStats::read(std::process::id()).cpu_secs,
+            machine: machine_busy_secs(),
+        }
+    }
+
+    /// "approvald / load side / rest; machine busy", in CPU ms per unit of
+    /// work (`units` of them were done: approvals, or thousands of callbacks).
+    fn finish(self, daemon: &Daemon, units: f64, elapsed_secs: f64) -> String {
+        let end = Self::start(daemon);
+        let scale = |a: f64, b: f64| (b - a) * 1000.0 / units.max(1e-9);
+        let (ours, load_side, machine) = (
+            scale(self.ours, end.ours),
+            scale(self.load_side, end.load_side),
+            scale(self.machine, end.machine),
+        );
+        let busy = (end.machine - self.machine) / elapsed_secs.max(1e-9) / cores() * 100.0;
+        format!("{ours:.2} / {load_side:.2} / {:.2}; {busy:.0}%", (machine - ours - load_side).max(0.0))
     }
 }
 

@@ -143,6 +143,16 @@ macro_rules! insert_delivery {
     };
 }
 
+/// What a worker holding a thread does next (`Store::next_work_for_thread`).
+#[derive(Debug)]
+pub enum ThreadWork {
+    /// The thread's oldest waiting answer, its operation, and whether it is
+    /// held back behind an earlier answer's resume work.
+    Answer(Box<InboxEntry>, Operation, bool),
+    /// The thread's earliest step that is due.
+    Due(Operation),
+}
+
 /// What a batch of callbacks did: one result per entry, and the threads
 /// whose operations now have an answer waiting (none: no worker need wake),
 /// for the workers of this process to take without first reading the store
@@ -153,7 +163,19 @@ pub struct BatchInsert {
     pub threads: Vec<(String, String)>,
 }
 
-/// Every entry of a batch stored fresh, in order.
+/// Stores the rows of `v` (but its padding) that are not repeats of an
+/// archived decision; a repeat of a stored one conflicts and is counted by
+/// the caller.
+macro_rules! insert_inbox_rows {
+    () => {
+        "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
+         received_at) SELECT tenant, correlation_id, answer, answered_at, body, body_sha256, source, 'new', \
+         received_at FROM v WHERE v.tenant IS NOT NULL AND NOT EXISTS (SELECT 1 FROM archived_operations a \
+           WHERE a.tenant = v.tenant AND a.decision_id = v.correlation_id) \
+         ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id, tenant, correlation_id"
+    };
+}
+
 fn stored_results(entries: &[OwnedInboxEntry], stored: &HashMap<(String, String), i64>) -> Vec<InboxInsert> {
     entries
         .iter()
@@ -655,58 +677,64 @@ impl Store {
             }
         }
         let now = entries.iter().map(|e| e.received_at).max().unwrap_or(0);
+        let hashes: Vec<String> =
+            unique.iter().map(|&i| crate::domain::keys::sha256_hex(&entries[i].body)).collect();
+        // Rows are padded (with NULLs, which the insert skips) to the next
+        // power of two, so a handful of texts serve every batch size and each
+        // is prepared once per connection, not parsed and planned per batch.
+        // A text per size would fill the statement cache; rows in one array
+        // or JSON parameter would hide the batch's size from the planner,
+        // which then joins a guessed hundred rows to `operations` by
+        // scanning it.
+        let rows = unique.len().next_power_of_two();
         let pg = self.is_postgres();
         let mut sql = String::from(
             "WITH v (tenant, correlation_id, answer, answered_at, body, body_sha256, source, received_at) AS \
              (VALUES ",
         );
-        for n in 0..unique.len() {
-            let p = n * 8;
+        for n in 0..rows {
             if n > 0 {
                 sql.push_str(", ");
             }
-            sql.push_str(&format!(
-                "(${}, ${}, ${}, ${}, ${}, ${}, ${}, ${})",
-                p + 1,
-                p + 2,
-                p + 3,
-                p + 4,
-                p + 5,
-                p + 6,
-                p + 7,
-                p + 8
-            ));
+            if pg {
+                let p = n * 8;
+                sql.push_str(&format!(
+                    "(${}, ${}, ${}, ${}, ${}, ${}, ${}, ${})",
+                    p + 1,
+                    p + 2,
+                    p + 3,
+                    p + 4,
+                    p + 5,
+                    p + 6,
+                    p + 7,
+                    p + 8
+                ));
+            } else {
+                // Anonymous: SQLite finds a numbered parameter by a linear
+                // scan of the statement's names, when it parses and again
+                // when sqlx binds, which is quadratic in a batch's size.
+                sql.push_str("(?, ?, ?, ?, ?, ?, ?, ?)");
+            }
         }
-        sql.push_str(if pg { "), ins AS (" } else { ") " });
-        sql.push_str(
-            "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, \
-             received_at) SELECT tenant, correlation_id, answer, answered_at, body, body_sha256, source, 'new', \
-             received_at FROM v WHERE NOT EXISTS (SELECT 1 FROM archived_operations a \
-               WHERE a.tenant = v.tenant AND a.decision_id = v.correlation_id) \
-             ON CONFLICT (tenant, correlation_id) DO NOTHING RETURNING id, tenant, correlation_id",
-        );
         if pg {
             // The operations the stored rows answer are marked by the same
             // statement (it sees the rows through `ins`), committed on its
             // own: one round trip where BEGIN, insert, mark and COMMIT were
             // four, on every callback's way to its acknowledgement.
+            sql.push_str(concat!("), ins AS (", insert_inbox_rows!()));
             sql.push_str(&format!(
                 "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
                  AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
                  RETURNING o.tenant, o.decision_id, o.thread_id) SELECT ins.id, ins.tenant, ins.correlation_id, \
                  m.thread_id FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
-                unique.len() * 8 + 1
+                rows * 8 + 1
             ));
+        } else {
+            sql.push_str(concat!(") ", insert_inbox_rows!()));
         }
-        let hashes: Vec<String> =
-            unique.iter().map(|&i| crate::domain::keys::sha256_hex(&entries[i].body)).collect();
         with_pool!(self, conn, PG, write => {
-            // The text depends on the batch's size. The small sizes, which
-            // a callback arriving alone meets, are prepared once per
-            // connection; the rest are parsed each time rather than filling
-            // the statement cache.
-            let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(unique.len() <= 4);
-            for (n, &i) in unique.iter().enumerate() {
+            let mut q = sqlx::query(AssertSqlSafe(sql));
+            for (&i, hash) in unique.iter().zip(&hashes) {
                 let e = &entries[i];
                 q = q
                     .bind(&e.tenant)
@@ -714,9 +742,21 @@ impl Store {
                     .bind(&e.answer)
                     .bind(&e.answered_at)
                     .bind(&e.body)
-                    .bind(&hashes[n])
+                    .bind(hash)
                     .bind(e.source)
                     .bind(e.received_at);
+            }
+            for _ in unique.len()..rows {
+                let none: Option<String> = None;
+                q = q
+                    .bind(none.clone())
+                    .bind(none.clone())
+                    .bind(none.clone())
+                    .bind(none.clone())
+                    .bind(None::<Vec<u8>>)
+                    .bind(none.clone())
+                    .bind(none)
+                    .bind(None::<i64>);
             }
             let mut stored: HashMap<(String, String), i64> = HashMap::new();
             let mut threads: Vec<(String, String)> = Vec::new();
@@ -1053,34 +1093,52 @@ impl Store {
         })
     }
 
-    /// The thread's oldest unprocessed inbox entry that matches an
-    /// operation, and whether it is held back: answers of a thread resume
-    /// in arrival order, so one waits while an earlier answer still has
-    /// resume work. Read with the entry, not by a query of its own: it is
-    /// on every answer's path.
-    pub async fn next_inbox_for_thread(
+    /// What a worker holding the thread does next: its oldest unprocessed
+    /// inbox entry that matches an operation, else its earliest due step.
+    ///
+    /// One read of the thread's operations finds both kinds, so a held
+    /// thread with no answer waiting (each save leaves the next step due,
+    /// so this is most visits) costs one round trip, not two. Whether an
+    /// answer is held back is read with its entry: answers of a thread
+    /// resume in arrival order, so one waits while an earlier answer still
+    /// has resume work.
+    pub async fn next_work_for_thread(
         &self,
         tenant: &str,
         thread_id: &str,
-    ) -> Result<Option<(InboxEntry, Operation, bool)>, StoreError> {
+        now: i64,
+    ) -> Result<Option<ThreadWork>, StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
-            // Two lookups by unique keys rather than one join: the plan of a
+            // Then lookups by unique keys rather than one join: the plan of a
             // join depends on statistics, which lag behind an inbox that
-            // grows by thousands a second, and a stale plan scans it.
+            // grows by thousands a second, and a stale plan scans it. No
+            // ORDER BY … LIMIT either, which would tempt the planner down the
+            // global due_at index; a thread's live operations are few.
             let rows = sqlx::query(concat!(
                 "SELECT ",
                 op_cols!(),
-                " FROM operations WHERE tenant = $1 AND thread_id = $2 AND inbox_at IS NOT NULL \
-                  AND decision_id IS NOT NULL"
+                ", (inbox_at IS NOT NULL AND decision_id IS NOT NULL) AS answer_waits \
+                 FROM operations WHERE tenant = $1 AND thread_id = $2 \
+                   AND ((inbox_at IS NOT NULL AND decision_id IS NOT NULL) OR due_at <= $3)"
             ))
             .bind(tenant)
             .bind(thread_id)
+            .bind(now)
             .fetch_all(pool)
             .await?;
             let mut first: Option<(InboxEntry, Operation, bool)> = None;
-            let mut decisions = Vec::with_capacity(rows.len());
+            let mut decisions = Vec::new();
+            let mut due: Option<Operation> = None;
             for row in &rows {
                 let op = Operation::from_row(row)?;
+                if op.due_at.is_some_and(|at| at <= now)
+                    && due.as_ref().is_none_or(|d| (op.due_at, op.created_at) < (d.due_at, d.created_at))
+                {
+                    due = Some(op.clone());
+                }
+                if !row.try_get::<bool, _>("answer_waits")? {
+                    continue;
+                }
                 let decision = op.decision_id.clone().unwrap_or_default();
                 let row = sqlx::query(concat!(
                     "SELECT ",
@@ -1105,12 +1163,15 @@ impl Store {
                     }
                 }
             }
-            if first.is_none() && !decisions.is_empty() {
+            if let Some((entry, op, held_back)) = first {
+                return Ok(Some(ThreadWork::Answer(Box::new(entry), op, held_back)));
+            }
+            if !decisions.is_empty() {
                 // Marked, yet nothing waits: never expected, but a stale
                 // mark would make workers take this thread forever.
                 self.clear_stale_inbox_marks(tenant, &decisions).await?;
             }
-            Ok(first)
+            Ok(due.map(ThreadWork::Due))
         })
     }
 
@@ -1128,27 +1189,6 @@ impl Store {
                 .await?;
             }
             Ok(())
-        })
-    }
-
-    pub async fn next_due_for_thread(
-        &self,
-        tenant: &str,
-        thread_id: &str,
-        now: i64,
-    ) -> Result<Option<Operation>, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
-            let row = sqlx::query(concat!(
-                "SELECT ",
-                op_cols!(),
-                " FROM operations WHERE tenant = $1 AND thread_id = $2 AND due_at <= $3 ORDER BY due_at, created_at LIMIT 1"
-            ))
-            .bind(tenant)
-            .bind(thread_id)
-            .bind(now)
-            .fetch_optional(pool)
-            .await?;
-            row.as_ref().map(Operation::from_row).transpose()
         })
     }
 

@@ -13,7 +13,7 @@ mod rows;
 mod save;
 mod sqlite_group;
 
-pub use db::{BatchInsert, Store, WORK_CHANNEL};
+pub use db::{BatchInsert, Store, ThreadWork, WORK_CHANNEL};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use insights::{Activity, OperatorFilter};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, PusharyCall, Transition};

@@ -7,6 +7,7 @@ mod operator;
 mod reconciler;
 mod steps;
 
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -23,7 +24,23 @@ pub use reconciler::Sweep;
 use crate::clock::now_ms;
 use crate::config::Config;
 use crate::pushary::PusharyClient;
-use crate::store::{Store, StoreError};
+use crate::store::{Operation, Store, StoreError, ThreadWork};
+
+tokio::task_local! {
+    /// The operation a worker's last save on its held thread left due now,
+    /// as saved (its version bumped): the next step of the same approval,
+    /// which the worker then takes without a read of the store. Each save
+    /// replaces it; a save that leaves nothing due now clears it.
+    static DUE_NEXT: RefCell<Option<Operation>>;
+}
+
+/// Records `op`, just saved, as the worker's next work if it is due now.
+/// Outside a worker's visit to a thread (the operator, the reconciler) it
+/// does nothing.
+fn due_next(op: &Operation) {
+    let due = op.due_at.is_some_and(|at| at <= now_ms());
+    let _ = DUE_NEXT.try_with(|n| *n.borrow_mut() = due.then(|| op.clone()));
+}
 
 /// Timings and switches the engine takes from configuration.
 #[derive(Debug, Clone)]
@@ -251,7 +268,8 @@ impl Engine {
             if more {
                 self.wake();
             }
-            let result = self.work_thread(tenant, thread, &owner, shared).await;
+            let result =
+                DUE_NEXT.scope(RefCell::new(None), self.work_thread(tenant, thread, &owner, shared)).await;
             // Release even after an error, so the thread does not wait out the lease.
             let released =
                 if shared { self.store.release_lease(tenant, thread, &owner).await } else { Ok(()) };
@@ -266,8 +284,8 @@ impl Engine {
     /// the store in one query and handed out one by one: a query per
     /// worker visit cost more SQLite time than the work itself (0.7 ms
     /// each, 17,000 of them for 2,000 approvals in `approvald bench`). A
-    /// candidate may be stale (its work done since); visiting it costs two
-    /// index reads. The store is read again only when the queue runs dry,
+    /// candidate may be stale (its work done since); visiting it costs one
+    /// index read. The store is read again only when the queue runs dry,
     /// at most once per call (`refilled`), so a call always ends.
     async fn next_candidate(
         &self,
@@ -319,15 +337,23 @@ impl Engine {
                 }
                 renewed = now;
             }
-            if let Some((entry, op, held_back)) = self.store.next_inbox_for_thread(tenant, thread).await? {
-                self.apply_answer(entry, op, held_back).await?;
-                continue;
+            // The step just saved left its operation due now (the next step
+            // of an approval: consume, deliver, record the receipt): the
+            // holder goes on with it as saved, without reading it back.
+            let saved = DUE_NEXT.try_with(|n| n.borrow_mut().take()).ok().flatten().filter(|op| {
+                op.tenant == tenant && op.thread_id == thread && op.due_at.is_some_and(|at| at <= now)
+            });
+            let work = match saved {
+                Some(op) => Some(ThreadWork::Due(op)),
+                None => self.store.next_work_for_thread(tenant, thread, now).await?,
+            };
+            match work {
+                Some(ThreadWork::Answer(entry, op, held_back)) => {
+                    self.apply_answer(*entry, op, held_back).await?
+                }
+                Some(ThreadWork::Due(op)) => self.step(op).await?,
+                None => return Ok(()),
             }
-            if let Some(op) = self.store.next_due_for_thread(tenant, thread, now).await? {
-                self.step(op).await?;
-                continue;
-            }
-            return Ok(());
         }
         // Saves on a held thread tell no one (`Store::save_held`); work
         // left at the bound is offered to the other workers and replicas.

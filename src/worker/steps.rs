@@ -99,6 +99,9 @@ impl Engine {
         if saved && let Some(at) = op.due_at {
             self.scheduled(at);
         }
+        if saved {
+            super::due_next(op);
+        }
         Ok(saved)
     }
 
@@ -435,7 +438,7 @@ impl Engine {
                 }
                 let t = transition(&mut op, State::Succeeded, "the effect target confirmed", ACTOR);
                 op.due_at = needs_work(&op).then_some(op.updated_at);
-                return self.then_receipt(op, &[t]).await;
+                return self.save(&mut op, &[t], None).await.map(|_| ());
             }
             super::delivery::Outcome::Refused(code, body) => {
                 op.result = body;
@@ -451,7 +454,7 @@ impl Engine {
                     ACTOR,
                 );
                 op.due_at = needs_work(&op).then_some(op.updated_at);
-                return self.then_receipt(op, &[t]).await;
+                return self.save(&mut op, &[t], None).await.map(|_| ());
             }
             super::delivery::Outcome::Retry(error) => {
                 self.retry_later(&mut op, &error);
@@ -511,15 +514,6 @@ impl Engine {
         }
         op.due_at = needs_work(&op).then_some(now_ms());
         self.save(&mut op, &[], None).await.map(|_| ())
-    }
-
-    /// Records the effect's outcome, then goes straight on to the receipt
-    /// it leaves due, sparing the worker a look for the thread's next work.
-    async fn then_receipt(&self, mut op: Operation, transitions: &[Transition]) -> Result<(), StoreError> {
-        if self.save(&mut op, transitions, None).await? && op.receipt.as_deref() == Some("pending") {
-            return self.record_receipt(op).await;
-        }
-        Ok(())
     }
 
     /// Tells Pushary how the permitted action ended; the first receipt wins.
