@@ -39,6 +39,30 @@ macro_rules! inbox_cols {
     };
 }
 
+/// `inbox_cols!` named `i_…`, to be read beside an operation's columns.
+macro_rules! inbox_cols_as_i {
+    () => {
+        "id AS i_id, tenant AS i_tenant, correlation_id AS i_correlation_id, answer AS i_answer, \
+         answered_at AS i_answered_at, source AS i_source, state AS i_state, received_at AS i_received_at, \
+         duplicates AS i_duplicates, operation_id AS i_operation_id, processed_at AS i_processed_at, \
+         note AS i_note"
+    };
+}
+
+/// Whether the `inbox` row in scope waits behind an earlier answer of the
+/// thread (`$thread`) that still has resume work: answers of a thread
+/// resume in arrival order. Read with the entry, not by a query of its own.
+macro_rules! held_back {
+    ($thread:literal) => {
+        concat!(
+            "EXISTS (SELECT 1 FROM operations e WHERE e.tenant = inbox.tenant AND e.thread_id = ",
+            $thread,
+            " AND e.resume_seq IS NOT NULL AND e.resume_seq < inbox.id \
+               AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending'))"
+        )
+    };
+}
+
 /// Runs `$body` with `$pool` bound to the engine's pool, `$begin` to the
 /// statement that opens a write transaction and `$pg` to whether it is
 /// PostgreSQL. The body is compiled once per engine.
@@ -1117,18 +1141,44 @@ impl Store {
             // 0.78 ms, against 0.03 ms; `approvald bench`'s growth run fell
             // to 45%). No ORDER BY … LIMIT either, which would tempt it down
             // the global due_at index; a thread's live operations are few.
-            // Then lookups by unique keys rather than one join: the plan of
-            // a join depends on statistics too.
-            let rows = sqlx::query(concat!(
-                "SELECT ",
-                op_cols!(),
-                ", 1 AS answer_waits FROM operations WHERE tenant = $1 AND thread_id = $2 \
-                   AND inbox_at IS NOT NULL AND decision_id IS NOT NULL \
-                 UNION ALL SELECT ",
-                op_cols!(),
-                ", 0 FROM operations WHERE tenant = $1 AND thread_id = $2 AND due_at <= $3 \
-                   AND (inbox_at IS NULL OR decision_id IS NULL)"
-            ))
+            // An operation's waiting answer is looked up by its unique key,
+            // never joined by a plan that depends on statistics (they lag
+            // behind an inbox that grows by thousands a second, and a stale
+            // plan scans it): on PostgreSQL a LATERAL subquery with a LIMIT,
+            // which runs per operation through the key's index, so the
+            // answer comes with its operation in one round trip; SQLite
+            // reads in process and looks each one up below.
+            let sql = if PG {
+                concat!(
+                    "SELECT ",
+                    op_cols!(),
+                    ", 1 AS answer_waits, i.* FROM operations o LEFT JOIN LATERAL (SELECT ",
+                    inbox_cols_as_i!(),
+                    ", ",
+                    held_back!("$2"),
+                    " AS i_held_back FROM inbox WHERE inbox.tenant = o.tenant \
+                       AND inbox.correlation_id = o.decision_id AND inbox.state = 'new' LIMIT 1) i ON true \
+                     WHERE o.tenant = $1 AND o.thread_id = $2 AND o.inbox_at IS NOT NULL \
+                       AND o.decision_id IS NOT NULL \
+                     UNION ALL SELECT ",
+                    op_cols!(),
+                    ", 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL \
+                     FROM operations WHERE tenant = $1 AND thread_id = $2 AND due_at <= $3 \
+                       AND (inbox_at IS NULL OR decision_id IS NULL)"
+                )
+            } else {
+                concat!(
+                    "SELECT ",
+                    op_cols!(),
+                    ", 1 AS answer_waits FROM operations WHERE tenant = $1 AND thread_id = $2 \
+                       AND inbox_at IS NOT NULL AND decision_id IS NOT NULL \
+                     UNION ALL SELECT ",
+                    op_cols!(),
+                    ", 0 FROM operations WHERE tenant = $1 AND thread_id = $2 AND due_at <= $3 \
+                       AND (inbox_at IS NULL OR decision_id IS NULL)"
+                )
+            };
+            let rows = sqlx::query(sql)
             .bind(tenant)
             .bind(thread_id)
             .bind(now)
@@ -1148,27 +1198,34 @@ impl Store {
                     continue;
                 }
                 let decision = op.decision_id.clone().unwrap_or_default();
-                let row = sqlx::query(concat!(
-                    "SELECT ",
-                    inbox_cols!(),
-                    ", EXISTS (SELECT 1 FROM operations e WHERE e.tenant = $1 AND e.thread_id = $3 \
-                       AND e.resume_seq IS NOT NULL AND e.resume_seq < inbox.id \
-                       AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending')) \
-                       AS held_back \
-                     FROM inbox WHERE tenant = $1 AND correlation_id = $2 AND state = 'new'"
-                ))
-                .bind(tenant)
-                .bind(&decision)
-                .bind(thread_id)
-                .fetch_optional(pool)
-                .await?;
-                decisions.push(decision);
-                if let Some(row) = row {
-                    let entry = InboxEntry::from_row(&row)?;
-                    if first.as_ref().is_none_or(|(e, _, _)| entry.id < e.id) {
-                        let held_back: bool = row.try_get("held_back")?;
-                        first = Some((entry, op, held_back));
+                let found = if PG {
+                    match row.try_get::<Option<i64>, _>("i_id")? {
+                        Some(_) => Some((InboxEntry::from_row_prefixed(row, "i_")?, row.try_get("i_held_back")?)),
+                        None => None,
                     }
+                } else {
+                    let row = sqlx::query(concat!(
+                        "SELECT ",
+                        inbox_cols!(),
+                        ", ",
+                        held_back!("$3"),
+                        " AS held_back FROM inbox WHERE tenant = $1 AND correlation_id = $2 AND state = 'new'"
+                    ))
+                    .bind(tenant)
+                    .bind(&decision)
+                    .bind(thread_id)
+                    .fetch_optional(pool)
+                    .await?;
+                    match row {
+                        Some(row) => Some((InboxEntry::from_row(&row)?, row.try_get("held_back")?)),
+                        None => None,
+                    }
+                };
+                decisions.push(decision);
+                if let Some((entry, held_back)) = found
+                    && first.as_ref().is_none_or(|(e, _, _)| entry.id < e.id)
+                {
+                    first = Some((entry, op, held_back));
                 }
             }
             if let Some((entry, op, held_back)) = first {

@@ -184,19 +184,32 @@ impl InboxEntry {
         for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
         for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     {
+        Self::from_row_prefixed(row, "")
+    }
+
+    /// The entry from columns named with `prefix`, for a query that reads
+    /// them beside an operation's columns of the same names.
+    pub fn from_row_prefixed<R>(row: &R, prefix: &str) -> Result<Self, StoreError>
+    where
+        R: Row,
+        for<'a> &'a str: ColumnIndex<R>,
+        for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+        for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    {
+        let col = |name: &str| format!("{prefix}{name}");
         Ok(Self {
-            id: get(row, "id")?,
-            tenant: get(row, "tenant")?,
-            correlation_id: get(row, "correlation_id")?,
-            answer: get(row, "answer")?,
-            answered_at: get(row, "answered_at")?,
-            source: get(row, "source")?,
-            state: get(row, "state")?,
-            received_at: get(row, "received_at")?,
-            duplicates: get(row, "duplicates")?,
-            operation_id: get(row, "operation_id")?,
-            processed_at: get(row, "processed_at")?,
-            note: get(row, "note")?,
+            id: row.try_get(col("id").as_str())?,
+            tenant: row.try_get(col("tenant").as_str())?,
+            correlation_id: row.try_get(col("correlation_id").as_str())?,
+            answer: row.try_get(col("answer").as_str())?,
+            answered_at: row.try_get(col("answered_at").as_str())?,
+            source: row.try_get(col("source").as_str())?,
+            state: row.try_get(col("state").as_str())?,
+            received_at: row.try_get(col("received_at").as_str())?,
+            duplicates: row.try_get(col("duplicates").as_str())?,
+            operation_id: row.try_get(col("operation_id").as_str())?,
+            processed_at: row.try_get(col("processed_at").as_str())?,
+            note: row.try_get(col("note").as_str())?,
         })
     }
 }
