@@ -363,27 +363,18 @@ async fn measure(
         // The empty store's figure again, just before the fill: the
         // machine's speed drifts over minutes, so the two runs compared sit
         // side by side, as every figure sits beside its baseline.
-        let decisions =
-            load::open_operations(&daemon.base, TOKEN, &sandbox, o.ops, &format!("{e2e_tag}e")).await?;
-        let empty = load::answer_all(
-            &sandbox,
-            &effects,
-            &decisions,
-            None,
-            &format!("{name}: end to end, empty store, before the fill"),
-        )
-        .await?;
+        // Operations opened, then answered at full speed.
+        let run = |tag: String, label: String| {
+            let (base, sandbox, effects) = (&daemon.base, &sandbox, &effects);
+            async move {
+                let decisions = load::open_operations(base, TOKEN, sandbox, o.ops, &tag).await?;
+                load::answer_all(sandbox, effects, &decisions, None, &label).await
+            }
+        };
+        let empty =
+            run(format!("{e2e_tag}e"), format!("{name}: end to end, empty store, before the fill")).await?;
         load::fill(&db.url, o.growth_rows, &format!("{name}: filling")).await?;
-        let decisions =
-            load::open_operations(&daemon.base, TOKEN, &sandbox, o.ops, &format!("{e2e_tag}g")).await?;
-        let grown = load::answer_all(
-            &sandbox,
-            &effects,
-            &decisions,
-            None,
-            &format!("{name}: end to end, full store"),
-        )
-        .await?;
+        let grown = run(format!("{e2e_tag}g"), format!("{name}: end to end, full store")).await?;
         let (b4, _) = baseline("4").await?;
         let rel = grown.approvals_per_sec / empty.approvals_per_sec;
         rows.push(row(
