@@ -200,6 +200,67 @@ macro_rules! insert_inbox_rows {
     };
 }
 
+/// The batch insert's text for `rows` rows (a power of two), built once
+/// per engine and size up to `MAX_BATCH`: it is on every batch's path.
+fn inbox_insert_text(pg: bool, rows: usize) -> std::borrow::Cow<'static, str> {
+    static TEXTS: [std::sync::OnceLock<String>; 18] = [const { std::sync::OnceLock::new() }; 18];
+    let size = rows.trailing_zeros() as usize;
+    if !rows.is_power_of_two() || size > 8 {
+        return std::borrow::Cow::Owned(build_inbox_insert_text(pg, rows));
+    }
+    std::borrow::Cow::Borrowed(
+        TEXTS[usize::from(pg) * 9 + size].get_or_init(|| build_inbox_insert_text(pg, rows)),
+    )
+}
+
+fn build_inbox_insert_text(pg: bool, rows: usize) -> String {
+    let mut sql = String::from(
+        "WITH v (tenant, correlation_id, answer, answered_at, body, body_sha256, source, received_at) AS \
+         (VALUES ",
+    );
+    for n in 0..rows {
+        if n > 0 {
+            sql.push_str(", ");
+        }
+        if pg {
+            let p = n * 8;
+            sql.push_str(&format!(
+                "(${}, ${}, ${}, ${}, ${}, ${}, ${}, ${})",
+                p + 1,
+                p + 2,
+                p + 3,
+                p + 4,
+                p + 5,
+                p + 6,
+                p + 7,
+                p + 8
+            ));
+        } else {
+            // Anonymous: SQLite finds a numbered parameter by a linear
+            // scan of the statement's names, when it parses and again
+            // when sqlx binds, which is quadratic in a batch's size.
+            sql.push_str("(?, ?, ?, ?, ?, ?, ?, ?)");
+        }
+    }
+    if pg {
+        // The operations the stored rows answer are marked by the same
+        // statement (it sees the rows through `ins`), committed on its
+        // own: one round trip where BEGIN, insert, mark and COMMIT were
+        // four, on every callback's way to its acknowledgement.
+        sql.push_str(concat!("), ins AS (", insert_inbox_rows!()));
+        sql.push_str(&format!(
+            "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
+             AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
+             RETURNING o.tenant, o.decision_id, o.thread_id) SELECT ins.id, ins.tenant, ins.correlation_id, \
+             m.thread_id FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
+            rows * 8 + 1
+        ));
+    } else {
+        sql.push_str(concat!(") ", insert_inbox_rows!()));
+    }
+    sql
+}
+
 fn stored_results(entries: &[OwnedInboxEntry], stored: &HashMap<(String, String), i64>) -> Vec<InboxInsert> {
     entries
         .iter()
@@ -711,53 +772,12 @@ impl Store {
         // which then joins a guessed hundred rows to `operations` by
         // scanning it.
         let rows = unique.len().next_power_of_two();
-        let pg = self.is_postgres();
-        let mut sql = String::from(
-            "WITH v (tenant, correlation_id, answer, answered_at, body, body_sha256, source, received_at) AS \
-             (VALUES ",
-        );
-        for n in 0..rows {
-            if n > 0 {
-                sql.push_str(", ");
-            }
-            if pg {
-                let p = n * 8;
-                sql.push_str(&format!(
-                    "(${}, ${}, ${}, ${}, ${}, ${}, ${}, ${})",
-                    p + 1,
-                    p + 2,
-                    p + 3,
-                    p + 4,
-                    p + 5,
-                    p + 6,
-                    p + 7,
-                    p + 8
-                ));
-            } else {
-                // Anonymous: SQLite finds a numbered parameter by a linear
-                // scan of the statement's names, when it parses and again
-                // when sqlx binds, which is quadratic in a batch's size.
-                sql.push_str("(?, ?, ?, ?, ?, ?, ?, ?)");
-            }
-        }
-        if pg {
-            // The operations the stored rows answer are marked by the same
-            // statement (it sees the rows through `ins`), committed on its
-            // own: one round trip where BEGIN, insert, mark and COMMIT were
-            // four, on every callback's way to its acknowledgement.
-            sql.push_str(concat!("), ins AS (", insert_inbox_rows!()));
-            sql.push_str(&format!(
-                "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
-                 AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
-                 RETURNING o.tenant, o.decision_id, o.thread_id) SELECT ins.id, ins.tenant, ins.correlation_id, \
-                 m.thread_id FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
-                rows * 8 + 1
-            ));
-        } else {
-            sql.push_str(concat!(") ", insert_inbox_rows!()));
-        }
+        let sql = inbox_insert_text(self.is_postgres(), rows);
         with_pool!(self, conn, PG, write => {
-            let mut q = sqlx::query(AssertSqlSafe(sql));
+            let mut q = match sql {
+                std::borrow::Cow::Borrowed(text) => sqlx::query(text),
+                std::borrow::Cow::Owned(text) => sqlx::query(AssertSqlSafe(text)),
+            };
             for (&i, hash) in unique.iter().zip(&hashes) {
                 let e = &entries[i];
                 q = q
