@@ -14,7 +14,7 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use report::{Latencies, Row, print_table};
-use target::{Daemon, Database, Engine, ProcStats, machine_busy_secs};
+use target::{Daemon, Database, Engine, PgCounters, ProcStats, machine_busy_secs};
 
 /// What to run, and how long.
 #[derive(Debug, Clone, clap::Args)]
@@ -274,8 +274,10 @@ async fn measure(
     eprintln!("{name}: opening {} operations", o.ops);
     let decisions = load::open_operations(&daemon.base, TOKEN, &sandbox, o.ops, &e2e_tag).await?;
     let split = CpuSplit::start(&daemon);
+    let counters = PgCounters::read(&db.url).await;
     let e2e = load::answer_all(&sandbox, &effects, &decisions, None, &format!("{name}: end to end")).await?;
     let e2e_split = split.finish(&daemon, e2e.count as f64, e2e.count as f64 / e2e.approvals_per_sec);
+    let e2e_pg = pg_per(counters, &db.url, e2e.count as f64).await;
     let (b3, commit_cpu_ms) = baseline("3").await?;
     let b23 = (b2 + b3) / 2.0;
     let need = if pg { 2000.0 } else { 1000.0 };
@@ -295,6 +297,9 @@ async fn measure(
         "-",
         None,
     ));
+    if let Some(per) = e2e_pg {
+        rows.push(row(WAL_ROW, per, None, None, "-", None));
+    }
     rows.push(row(
         "baseline: machine CPU ms per single-row commit (database, its client, kernel)",
         format!("{commit_cpu_ms:.3} ms"),
@@ -365,16 +370,22 @@ async fn measure(
         // side by side, as every figure sits beside its baseline.
         // Operations opened, then answered at full speed.
         let run = |tag: String, label: String| {
-            let (base, sandbox, effects) = (&daemon.base, &sandbox, &effects);
+            let (base, sandbox, effects, url, daemon) = (&daemon.base, &sandbox, &effects, &db.url, &daemon);
             async move {
                 let decisions = load::open_operations(base, TOKEN, sandbox, o.ops, &tag).await?;
-                load::answer_all(sandbox, effects, &decisions, None, &label).await
+                let split = CpuSplit::start(daemon);
+                let counters = PgCounters::read(url).await;
+                let r = load::answer_all(sandbox, effects, &decisions, None, &label).await?;
+                let per = pg_per(counters, url, r.count as f64).await;
+                let cpu = split.finish(daemon, r.count as f64, r.count as f64 / r.approvals_per_sec);
+                anyhow::Ok((r, per, cpu))
             }
         };
-        let empty =
+        let (empty, empty_pg, empty_cpu) =
             run(format!("{e2e_tag}e"), format!("{name}: end to end, empty store, before the fill")).await?;
         load::fill(&db.url, o.growth_rows, &format!("{name}: filling")).await?;
-        let grown = run(format!("{e2e_tag}g"), format!("{name}: end to end, full store")).await?;
+        let (grown, grown_pg, grown_cpu) =
+            run(format!("{e2e_tag}g"), format!("{name}: end to end, full store")).await?;
         let (b4, _) = baseline("4").await?;
         let rel = grown.approvals_per_sec / empty.approvals_per_sec;
         rows.push(row(
@@ -390,6 +401,24 @@ async fn measure(
             "≥ 90% of empty",
             Some(rel >= 0.9),
         ));
+        rows.push(row(
+            "end to end CPU ms per approval (as above): empty → full store",
+            format!("{empty_cpu} → {grown_cpu}"),
+            None,
+            None,
+            "-",
+            None,
+        ));
+        if let (Some(e), Some(g)) = (empty_pg, grown_pg) {
+            rows.push(row(
+                &format!("{WAL_ROW}: empty → full store"),
+                format!("{e} → {g}"),
+                None,
+                None,
+                "-",
+                None,
+            ));
+        }
     }
 
     // Memory over a long half-speed ingest.
@@ -422,6 +451,13 @@ async fn measure(
 
 /// Waits until every callback the sandbox sent has been acknowledged, so
 /// the idle measurement starts with nothing in flight.
+/// PostgreSQL's counters per approval, the figure's row label.
+const WAL_ROW: &str = "end to end per approval: WAL bytes / full-page images / blocks read (PostgreSQL)";
+
+async fn pg_per(start: Option<PgCounters>, url: &str, units: f64) -> Option<String> {
+    Some(start?.per(PgCounters::read(url).await?, units))
+}
+
 async fn wait_quiet(sandbox: &crate::sandbox::SandboxHandle) {
     let mut last = sandbox.counts();
     for _ in 0..50 {

@@ -224,3 +224,45 @@ pub fn machine_busy_secs() -> f64 {
 pub fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
+
+/// PostgreSQL's own counters around a run: the WAL it wrote (and how many
+/// of its records were full-page images, written on a page's first change
+/// after a checkpoint) and the blocks it read from outside its shared
+/// buffers. They say what a slower run spent its time on.
+#[derive(Debug, Clone, Copy)]
+pub struct PgCounters {
+    wal_bytes: f64,
+    wal_fpi: f64,
+    blks_read: f64,
+}
+
+impl PgCounters {
+    /// None on SQLite, or when the server will not say (an older server).
+    pub async fn read(url: &str) -> Option<Self> {
+        use sqlx::Connection;
+        if !url.starts_with("postgres") {
+            return None;
+        }
+        let mut conn = sqlx::PgConnection::connect(url).await.ok()?;
+        let (wal_bytes, wal_fpi, blks_read): (f64, f64, f64) = sqlx::query_as(
+            "SELECT w.wal_bytes::float8, w.wal_fpi::float8, d.blks_read::float8 \
+             FROM pg_stat_wal w, pg_stat_database d WHERE d.datname = current_database()",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .ok()?;
+        let _ = conn.close().await;
+        Some(Self { wal_bytes, wal_fpi, blks_read })
+    }
+
+    /// "WAL bytes / full-page images / blocks read", per unit of work since `self`.
+    pub fn per(self, end: Self, units: f64) -> String {
+        let u = units.max(1.0);
+        format!(
+            "{:.0} B / {:.2} / {:.2}",
+            (end.wal_bytes - self.wal_bytes) / u,
+            (end.wal_fpi - self.wal_fpi) / u,
+            (end.blks_read - self.blks_read) / u
+        )
+    }
+}
