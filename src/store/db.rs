@@ -1167,7 +1167,13 @@ impl Store {
             // plan scans it): on PostgreSQL a LATERAL subquery with a LIMIT,
             // which runs per operation through the key's index, so the
             // answer comes with its operation in one round trip; SQLite
-            // reads in process and looks each one up below.
+            // reads in process and looks each one up below. The subquery
+            // names no state: with `state = 'new'` in it PostgreSQL may
+            // serve it from the partial `inbox_new_received` index, which
+            // the last VACUUM saw empty, walking every waiting callback
+            // with a filter (2,998 rows, 0.48 ms, against 0.03 ms by the
+            // unique key). The key is unique, so the state is checked on
+            // the one row, in the join (a LIMIT keeps it out of the scan).
             // The due arm reads every step of the thread with a due time,
             // later ones too, and keeps those due by `now` below: with
             // `due_at <= $3` in the text, PostgreSQL's generic plan guessed
@@ -1186,7 +1192,7 @@ impl Store {
                     ", ",
                     held_back!("$2"),
                     " AS i_held_back FROM inbox WHERE inbox.tenant = o.tenant \
-                       AND inbox.correlation_id = o.decision_id AND inbox.state = 'new' LIMIT 1) i ON true \
+                       AND inbox.correlation_id = o.decision_id LIMIT 1) i ON i.i_state = 'new' \
                      WHERE o.tenant = $1 AND o.thread_id = $2 AND o.inbox_at IS NOT NULL \
                        AND o.decision_id IS NOT NULL \
                      UNION ALL SELECT ",

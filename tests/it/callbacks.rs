@@ -230,3 +230,40 @@ async fn a_stale_waiting_answer_mark_heals_itself() {
     assert_eq!(app.get(&id).await["state"], "pending", "nothing else changed");
 }
 }
+
+// The same with the operation's callback still in the inbox, processed: the
+// mark finds no answer waiting (only a `new` entry waits), so the finished
+// approval is not resumed again and the mark is cleared.
+both_engines! {
+async fn a_stale_mark_over_a_processed_answer_resumes_nothing() {
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let id = app.enqueue_ok(&confirm("stale-processed")).await;
+    app.drain().await;
+    let decision = app.decision_of(&id).await;
+    app.sandbox.answer(&decision, "yes", CallbackMode::Drop).await.expect("answer");
+    let (body, sig) = app.signed_callback(&decision, "yes");
+    assert_eq!(app.post_callback(&body, Some(&sig)).await.0, 200);
+    app.drain().await;
+    let before = app.get(&id).await;
+    assert_eq!(before["state"], "succeeded");
+    assert_eq!(before["receipt"], "recorded");
+    let inbox = app.store().list_inbox(None, 10).await.expect("inbox");
+    assert_eq!(inbox.len(), 1);
+    assert_eq!(inbox[0].state, "processed");
+
+    let sql = "UPDATE operations SET inbox_at = 1 WHERE id = $1";
+    if let Some(pool) = app.store().pg_pool() {
+        sqlx::query(sql).bind(&id).execute(pool).await.expect("mark");
+    } else {
+        let pool = sqlx::SqlitePool::connect(&app.store_url()).await.expect("sqlite");
+        sqlx::query(sql).bind(&id).execute(&pool).await.expect("mark");
+        pool.close().await;
+    }
+    assert!(app.engine.try_execute_task().await.expect("store"));
+    assert!(!app.engine.try_execute_task().await.expect("store"), "not offered again");
+    let after = app.get(&id).await;
+    assert_eq!(before["transitions"], after["transitions"], "nothing resumed");
+    assert_eq!(app.sandbox.consume_calls(&decision), 1);
+    assert_eq!(app.deliveries_for(&id).len(), 1);
+}
+}
