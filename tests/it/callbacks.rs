@@ -208,6 +208,18 @@ async fn callbacks_committed_together_each_get_their_own_answer() {
 }
 }
 
+/// Marks the operation as having an answer waiting, behind the engine's back.
+async fn mark_answer_waiting(app: &TestApp, id: &str) {
+    let sql = "UPDATE operations SET inbox_at = 1 WHERE id = $1";
+    if let Some(pool) = app.store().pg_pool() {
+        sqlx::query(sql).bind(id).execute(pool).await.expect("mark");
+    } else {
+        let pool = sqlx::SqlitePool::connect(&app.store_url()).await.expect("sqlite");
+        sqlx::query(sql).bind(id).execute(&pool).await.expect("mark");
+        pool.close().await;
+    }
+}
+
 // A waiting-answer mark with nothing waiting behind it (never expected)
 // heals itself instead of making workers take the thread forever.
 both_engines! {
@@ -216,14 +228,7 @@ async fn a_stale_waiting_answer_mark_heals_itself() {
     let id = app.enqueue_ok(&confirm("stale-mark")).await;
     app.drain().await;
     assert_eq!(app.get(&id).await["state"], "pending");
-    let sql = "UPDATE operations SET inbox_at = 1 WHERE id = $1";
-    if let Some(pool) = app.store().pg_pool() {
-        sqlx::query(sql).bind(&id).execute(pool).await.expect("mark");
-    } else {
-        let pool = sqlx::SqlitePool::connect(&app.store_url()).await.expect("sqlite");
-        sqlx::query(sql).bind(&id).execute(&pool).await.expect("mark");
-        pool.close().await;
-    }
+    mark_answer_waiting(&app, &id).await;
     // The thread is offered once, finds nothing, and the mark is gone.
     assert!(app.engine.try_execute_task().await.expect("store"));
     assert!(!app.engine.try_execute_task().await.expect("store"), "not offered again");
@@ -251,14 +256,7 @@ async fn a_stale_mark_over_a_processed_answer_resumes_nothing() {
     assert_eq!(inbox.len(), 1);
     assert_eq!(inbox[0].state, "processed");
 
-    let sql = "UPDATE operations SET inbox_at = 1 WHERE id = $1";
-    if let Some(pool) = app.store().pg_pool() {
-        sqlx::query(sql).bind(&id).execute(pool).await.expect("mark");
-    } else {
-        let pool = sqlx::SqlitePool::connect(&app.store_url()).await.expect("sqlite");
-        sqlx::query(sql).bind(&id).execute(&pool).await.expect("mark");
-        pool.close().await;
-    }
+    mark_answer_waiting(&app, &id).await;
     assert!(app.engine.try_execute_task().await.expect("store"));
     assert!(!app.engine.try_execute_task().await.expect("store"), "not offered again");
     let after = app.get(&id).await;
