@@ -449,15 +449,16 @@ async fn measure(
     Ok(rows)
 }
 
-/// Waits until every callback the sandbox sent has been acknowledged, so
-/// the idle measurement starts with nothing in flight.
 /// PostgreSQL's counters per approval, the figure's row label.
 const WAL_ROW: &str = "end to end per approval: WAL bytes / full-page images / blocks read (PostgreSQL)";
 
+/// PostgreSQL's counters per unit of work since `start`; None on SQLite.
 async fn pg_per(start: Option<PgCounters>, url: &str, units: f64) -> Option<String> {
     Some(start?.per(PgCounters::read(url).await?, units))
 }
 
+/// Waits until every callback the sandbox sent has been acknowledged, so
+/// the idle measurement starts with nothing in flight.
 async fn wait_quiet(sandbox: &crate::sandbox::SandboxHandle) {
     let mut last = sandbox.counts();
     for _ in 0..50 {
