@@ -203,13 +203,16 @@ macro_rules! insert_inbox_rows {
 /// The batch insert's text for `rows` rows (a power of two), built once
 /// per engine and size up to `MAX_BATCH`: it is on every batch's path.
 fn inbox_insert_text(pg: bool, rows: usize) -> std::borrow::Cow<'static, str> {
-    static TEXTS: [std::sync::OnceLock<String>; 18] = [const { std::sync::OnceLock::new() }; 18];
+    // One text per power of two from 1 to MAX_BATCH, per engine.
+    const SIZES: usize = super::MAX_BATCH.ilog2() as usize + 1;
+    static TEXTS: [std::sync::OnceLock<String>; 2 * SIZES] =
+        [const { std::sync::OnceLock::new() }; 2 * SIZES];
     let size = rows.trailing_zeros() as usize;
-    if !rows.is_power_of_two() || size > 8 {
+    if !rows.is_power_of_two() || size >= SIZES {
         return std::borrow::Cow::Owned(build_inbox_insert_text(pg, rows));
     }
     std::borrow::Cow::Borrowed(
-        TEXTS[usize::from(pg) * 9 + size].get_or_init(|| build_inbox_insert_text(pg, rows)),
+        TEXTS[usize::from(pg) * SIZES + size].get_or_init(|| build_inbox_insert_text(pg, rows)),
     )
 }
 
