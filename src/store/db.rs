@@ -284,6 +284,7 @@ const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
     (4, "inbox_at", include_str!("../../migrations/sqlite/0004_inbox_at.sql")),
     (5, "thread work", include_str!("../../migrations/sqlite/0005_thread_work.sql")),
     (6, "pushary calls", include_str!("../../migrations/sqlite/0006_pushary_calls.sql")),
+    (7, "drop inbox_new", include_str!("../../migrations/sqlite/0007_drop_inbox_new.sql")),
 ];
 const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../../migrations/postgres/0001_init.sql")),
@@ -293,6 +294,7 @@ const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (5, "thread work", include_str!("../../migrations/postgres/0005_thread_work.sql")),
     (6, "pushary calls", include_str!("../../migrations/postgres/0006_pushary_calls.sql")),
     (7, "unlogged leases", include_str!("../../migrations/postgres/0007_unlogged_leases.sql")),
+    (8, "drop inbox_new", include_str!("../../migrations/postgres/0008_drop_inbox_new.sql")),
 ];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {

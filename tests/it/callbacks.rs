@@ -265,3 +265,41 @@ async fn a_stale_mark_over_a_processed_answer_resumes_nothing() {
     assert_eq!(app.deliveries_for(&id).len(), 1);
 }
 }
+
+// Correlation ids are random, so every index that holds them takes each
+// stored callback at a random place: a page dirtied, written to the log
+// and flushed per callback. The inbox's unique key is the one such index
+// dedupe needs; a second one (`inbox_new` until migration 7/8) cost SQLite
+// ingest a third of its rate (docs/performance.md).
+both_engines! {
+async fn the_inbox_indexes_correlation_ids_once_its_unique_key() {
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let mut names: Vec<String> = if let Some(pool) = app.store().pg_pool() {
+        sqlx::query_scalar(
+            "SELECT indexname::text FROM pg_indexes WHERE tablename = 'inbox' AND indexdef LIKE '%correlation_id%'",
+        )
+        .fetch_all(pool)
+        .await
+        .expect("lists indexes")
+    } else {
+        let pool = sqlx::SqlitePool::connect(&app.store_url()).await.expect("sqlite");
+        let names = sqlx::query_scalar(
+            "SELECT il.name FROM pragma_index_list('inbox') il WHERE EXISTS \
+             (SELECT 1 FROM pragma_index_info(il.name) ii WHERE ii.name = 'correlation_id')",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("lists indexes");
+        pool.close().await;
+        names
+    };
+    names.sort();
+    assert_eq!(names.len(), 1, "one index over correlation_id, the unique key: {names:?}");
+    assert!(!names.iter().any(|n| n == "inbox_new"), "{names:?}");
+    // The unique key still dedupes: a repeat is a duplicate, not a second row.
+    let (body, sig) = app.signed_callback("dec_once", "yes");
+    assert_eq!(app.post_callback(&body, Some(&sig)).await.1["status"], "stored");
+    assert_eq!(app.post_callback(&body, Some(&sig)).await.1["status"], "duplicate");
+    assert_eq!(app.inbox_len().await, 1);
+}
+}
