@@ -142,7 +142,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
     })
     .await
     .expect("connect");
-    assert_eq!(store.migration_status().await.expect("status"), (Some(7), 7));
+    assert_eq!(store.migration_status().await.expect("status"), (Some(8), 8));
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",
     )
@@ -167,7 +167,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
         .fetch_one(store.pg_pool().expect("pg"))
         .await
         .expect("count");
-    assert_eq!(applied, 7, "each migration applied once");
+    assert_eq!(applied, 8, "each migration applied once");
     // Leases write no WAL (migration 0007); the operations they guard do.
     let persistence: Vec<(String, String)> = sqlx::query_as(
         "SELECT relname::text, relpersistence::text FROM pg_class \
