@@ -27,7 +27,7 @@ async fn effective_secrets(
     state: &AppState,
     tenant: &str,
     configured: &[crate::secret::Secret],
-) -> Result<Vec<crate::secret::Secret>, ApiError> {
+) -> Result<std::sync::Arc<[crate::secret::Secret]>, ApiError> {
     let cached = state.secret_cache.lock().unwrap_or_else(|p| p.into_inner()).get(tenant).cloned();
     if let Some((_, secrets)) = cached.filter(|(at, _)| at.elapsed() < SECRET_CACHE) {
         return Ok(secrets);
@@ -45,11 +45,13 @@ async fn effective_secrets(
             out.push(crate::secret::Secret::new(s.clone()));
         }
     }
+    // Shared, not copied, by every callback until the next re-read.
+    let out: std::sync::Arc<[crate::secret::Secret]> = out.into();
     state
         .secret_cache
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .insert(tenant.to_string(), (std::time::Instant::now(), out.clone()));
+        .insert(tenant.to_string(), (std::time::Instant::now(), std::sync::Arc::clone(&out)));
     Ok(out)
 }
 

@@ -26,7 +26,7 @@ use crate::worker::Engine;
 pub use crate::config::DEFAULT_TENANT;
 
 /// Per tenant: when its stored secrets were read, and the effective set.
-pub type SecretCache = std::collections::HashMap<String, (std::time::Instant, Vec<Secret>)>;
+pub type SecretCache = std::collections::HashMap<String, (std::time::Instant, Arc<[Secret]>)>;
 
 #[derive(Clone)]
 pub struct AppState {

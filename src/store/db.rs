@@ -264,11 +264,17 @@ fn build_inbox_insert_text(pg: bool, rows: usize) -> String {
     sql
 }
 
-fn stored_results(entries: &[OwnedInboxEntry], stored: &HashMap<(String, String), i64>) -> Vec<InboxInsert> {
-    entries
-        .iter()
-        .map(|e| InboxInsert::Stored(stored[&(e.tenant.clone(), e.correlation_id.clone())]))
-        .collect()
+/// Records a row the batch insert returned against the entry that stored it.
+fn take(
+    first: &HashMap<(&str, &str), usize>,
+    stored: &mut [Option<i64>],
+    tenant: &str,
+    correlation_id: &str,
+    id: i64,
+) {
+    if let Some(&i) = first.get(&(tenant, correlation_id)) {
+        stored[i] = Some(id);
+    }
 }
 
 /// The channel `signal_work` notifies.
@@ -807,7 +813,8 @@ impl Store {
                     .bind(none)
                     .bind(None::<i64>);
             }
-            let mut stored: HashMap<(String, String), i64> = HashMap::new();
+            // By entry: the id of the row it stored (first entries only).
+            let mut stored: Vec<Option<i64>> = vec![None; entries.len()];
             let mut threads: Vec<(String, String)> = Vec::new();
             // SQLite: the insert is in the savepoint with the rest, so a
             // failure undoes all of it. PostgreSQL: it is a statement of its
@@ -816,14 +823,15 @@ impl Store {
             if PG {
                 q = q.bind(now);
                 for row in q.fetch_all(&mut *conn).await? {
-                    let tenant: String = row.try_get("tenant")?;
+                    let tenant: &str = row.try_get("tenant")?;
                     if let Some(thread) = row.try_get::<Option<String>, _>("thread_id")? {
-                        threads.push((tenant.clone(), thread));
+                        threads.push((tenant.to_string(), thread));
                     }
-                    stored.insert((tenant, row.try_get("correlation_id")?), row.try_get("id")?);
+                    take(&first, &mut stored, tenant, row.try_get("correlation_id")?, row.try_get("id")?);
                 }
-                if stored.len() == entries.len() {
-                    return Ok(self.batch_done(stored_results(entries, &stored), threads));
+                if stored.iter().all(Option::is_some) {
+                    let results = stored.iter().map(|id| InboxInsert::Stored(id.unwrap_or_default())).collect();
+                    return Ok(self.batch_done(results, threads));
                 }
             } else {
                 sqlite_insert = Some(q);
@@ -831,18 +839,16 @@ impl Store {
             let mut tx = conn.begin().await?;
             if let Some(q) = sqlite_insert {
                 for row in q.fetch_all(&mut *tx).await? {
-                    stored.insert((row.try_get("tenant")?, row.try_get("correlation_id")?), row.try_get("id")?);
+                    let (tenant, correlation_id) = (row.try_get("tenant")?, row.try_get("correlation_id")?);
+                    take(&first, &mut stored, tenant, correlation_id, row.try_get("id")?);
                 }
             }
             let mut revived = Vec::new();
             let mut results = Vec::with_capacity(entries.len());
-            for (i, e) in entries.iter().enumerate() {
-                let key = (e.tenant.clone(), e.correlation_id.clone());
-                let r = match stored.get(&key) {
-                    Some(&id) if first[&(e.tenant.as_str(), e.correlation_id.as_str())] == i => {
-                        InboxInsert::Stored(id)
-                    }
-                    _ => {
+            for (e, id) in entries.iter().zip(&stored) {
+                let r = match *id {
+                    Some(id) => InboxInsert::Stored(id),
+                    None => {
                         let id: Option<i64> = sqlx::query_scalar(
                             "UPDATE inbox SET duplicates = duplicates + 1, \
                              state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
@@ -860,7 +866,7 @@ impl Store {
                 };
                 results.push(r);
             }
-            if !PG && let (Some(lo), Some(hi)) = (stored.values().min(), stored.values().max()) {
+            if !PG && let (Some(lo), Some(hi)) = (stored.iter().flatten().min(), stored.iter().flatten().max()) {
                 mark_waiting_answers!(tx, *lo, *hi, now, threads);
             }
             for id in revived {

@@ -58,7 +58,7 @@ impl InboxWriter {
                             return;
                         }
                     }
-                    let entries: Vec<OwnedInboxEntry> = jobs.iter().map(|(e, _)| e.clone()).collect();
+                    let (entries, replies): (Vec<OwnedInboxEntry>, Vec<_>) = jobs.drain(..).unzip();
                     match store.insert_inbox_batch(&entries).await {
                         Ok(batch) => {
                             // Committed, nothing acknowledged and no worker
@@ -70,15 +70,15 @@ impl InboxWriter {
                             if !batch.threads.is_empty() {
                                 on_stored(&batch.threads);
                             }
-                            for ((_, reply), r) in jobs.drain(..).zip(batch.results) {
+                            for (reply, r) in replies.into_iter().zip(batch.results) {
                                 let _ = reply.send(Ok(r));
                             }
                         }
                         // One bad entry must not fail its neighbours: retry
                         // them one by one (in an outage each fails fast).
-                        Err(e) if jobs.len() > 1 => {
-                            tracing::warn!(error = %e, batch = jobs.len(), "inbox batch failed; retrying singly");
-                            for (entry, reply) in jobs.drain(..) {
+                        Err(e) if entries.len() > 1 => {
+                            tracing::warn!(error = %e, batch = entries.len(), "inbox batch failed; retrying singly");
+                            for (entry, reply) in entries.into_iter().zip(replies) {
                                 let r = store.insert_inbox_batch(std::slice::from_ref(&entry)).await;
                                 if let Ok(b) = &r
                                     && !b.threads.is_empty()
@@ -90,7 +90,7 @@ impl InboxWriter {
                             }
                         }
                         Err(e) => {
-                            for (_, reply) in jobs.drain(..) {
+                            for reply in replies {
                                 let _ = reply.send(Err(StoreError::Unavailable(e.to_string())));
                             }
                         }
