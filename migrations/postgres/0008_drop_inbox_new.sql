@@ -5,5 +5,6 @@
 -- the unique key does not, and it cost every stored callback an insert at
 -- a random place in a second tree: one more page dirtied, written to the
 -- WAL and flushed per callback, because correlation ids are random.
--- Measured on SQLite and PostgreSQL ingest (docs/performance.md).
+-- The same change on SQLite (its migration 7) took ingest from 9,920 to
+-- 14,479 callbacks/s; on PostgreSQL it was not measured on its own.
 DROP INDEX IF EXISTS inbox_new;

@@ -265,7 +265,7 @@ fn build_inbox_insert_text(pg: bool, rows: usize) -> String {
 }
 
 /// Records a row the batch insert returned against the entry that stored it.
-fn take(
+fn record_stored(
     first: &HashMap<(&str, &str), usize>,
     stored: &mut [Option<i64>],
     tenant: &str,
@@ -827,11 +827,10 @@ impl Store {
                     if let Some(thread) = row.try_get::<Option<String>, _>("thread_id")? {
                         threads.push((tenant.to_string(), thread));
                     }
-                    take(&first, &mut stored, tenant, row.try_get("correlation_id")?, row.try_get("id")?);
+                    record_stored(&first, &mut stored, tenant, row.try_get("correlation_id")?, row.try_get("id")?);
                 }
-                if stored.iter().all(Option::is_some) {
-                    let results = stored.iter().map(|id| InboxInsert::Stored(id.unwrap_or_default())).collect();
-                    return Ok(self.batch_done(results, threads));
+                if let Some(ids) = stored.iter().copied().collect::<Option<Vec<i64>>>() {
+                    return Ok(self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads));
                 }
             } else {
                 sqlite_insert = Some(q);
@@ -840,7 +839,7 @@ impl Store {
             if let Some(q) = sqlite_insert {
                 for row in q.fetch_all(&mut *tx).await? {
                     let (tenant, correlation_id) = (row.try_get("tenant")?, row.try_get("correlation_id")?);
-                    take(&first, &mut stored, tenant, correlation_id, row.try_get("id")?);
+                    record_stored(&first, &mut stored, tenant, correlation_id, row.try_get("id")?);
                 }
             }
             let mut revived = Vec::new();
