@@ -58,6 +58,14 @@ const FAMILIES: &[(&str, &str, &str)] = &[
     ("approvald_reconciler_sweeps_total", "counter", "Reconciler sweeps run."),
     ("approvald_reconciler_swept_total", "counter", "What reconciler sweeps did, by kind."),
     ("approvald_resumes_total", "counter", "Answers applied to operations, by the state they led to."),
+    (
+        "approvald_sqlite_writer_busy_seconds_total",
+        "counter",
+        "SQLite only: time its one writer was taken, by phase (writing: a writer running its statements; \
+         committing: a group commit flushing). Their rate near 1 means the node writes as fast as it can.",
+    ),
+    ("approvald_sqlite_writes_total", "counter", "SQLite only: writes run on the one writer."),
+    ("approvald_sqlite_commits_total", "counter", "SQLite only: group commits (each holds many writes)."),
 ];
 
 const BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
@@ -82,6 +90,8 @@ pub struct StoreGauges {
     pub operations_by_state: Vec<(String, i64)>,
     pub inbox_by_state: Vec<(String, i64)>,
     pub oldest_new_age: Duration,
+    /// SQLite's writer since start; None on PostgreSQL.
+    pub sqlite_writer: Option<crate::store::WriterBusy>,
 }
 
 // Built on every count, which is on every callback's and step's path: one
@@ -161,6 +171,23 @@ impl Metrics {
                 "approvald_inbox_oldest_new_age_seconds" => {
                     let _ = writeln!(out, "{name} {:.3}", store.oldest_new_age.as_secs_f64());
                 }
+                "approvald_sqlite_writer_busy_seconds_total" => {
+                    if let Some(w) = &store.sqlite_writer {
+                        for (phase, d) in [("writing", w.writing), ("committing", w.committing)] {
+                            let _ = writeln!(out, "{name}{{phase=\"{phase}\"}} {:.6}", d.as_secs_f64());
+                        }
+                    }
+                }
+                "approvald_sqlite_writes_total" => {
+                    if let Some(w) = &store.sqlite_writer {
+                        let _ = writeln!(out, "{name} {}", w.writes);
+                    }
+                }
+                "approvald_sqlite_commits_total" => {
+                    if let Some(w) = &store.sqlite_writer {
+                        let _ = writeln!(out, "{name} {}", w.commits);
+                    }
+                }
                 _ if *kind == "histogram" => {
                     for ((_, l), h) in histograms.iter().filter(|((n, _), _)| n == name) {
                         let sep = if l.is_empty() { "" } else { "," };
@@ -208,8 +235,25 @@ mod tests {
             operations_by_state: vec![("pending".into(), 2)],
             inbox_by_state: vec![("new".into(), 1)],
             oldest_new_age: Duration::from_millis(1500),
+            sqlite_writer: Some(crate::store::WriterBusy {
+                writing: Duration::from_micros(1_250_000),
+                committing: Duration::from_micros(500),
+                writes: 7,
+                commits: 2,
+            }),
         };
         let text = m.render(&gauges);
+        assert!(
+            text.contains("approvald_sqlite_writer_busy_seconds_total{phase=\"writing\"} 1.250000\n"),
+            "{text}"
+        );
+        assert!(text.contains("approvald_sqlite_writer_busy_seconds_total{phase=\"committing\"} 0.000500\n"));
+        assert!(text.contains("approvald_sqlite_writes_total 7\n"));
+        assert!(text.contains("approvald_sqlite_commits_total 2\n"));
+        // PostgreSQL has no such writer: the families are announced, with no series.
+        let pg = m.render(&StoreGauges::default());
+        assert!(!pg.lines().any(|l| l.starts_with("approvald_sqlite_")), "{pg}");
+        assert!(pg.contains("# TYPE approvald_sqlite_writes_total counter\n"), "{pg}");
         assert!(
             text.contains("approvald_callbacks_rejected_total{reason=\"bad \\\"sig\\\"\"} 1\n"),
             "{text}"

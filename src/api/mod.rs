@@ -108,7 +108,10 @@ async fn openapi() -> impl IntoResponse {
 /// (and says so in the log) rather than failing the whole scrape.
 async fn metrics(axum::extract::State(state): axum::extract::State<AppState>) -> impl IntoResponse {
     let store = state.engine.store();
-    let mut gauges = crate::metrics::StoreGauges::default();
+    let mut gauges = crate::metrics::StoreGauges {
+        sqlite_writer: store.sqlite_writer_busy(),
+        ..crate::metrics::StoreGauges::default()
+    };
     match (store.operation_counts().await, store.inbox_depth().await) {
         (Ok(ops), Ok((waiting, orphaned, oldest))) => {
             gauges.operations_by_state = ops;

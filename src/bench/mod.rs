@@ -8,6 +8,7 @@ mod load;
 mod raw_http;
 mod report;
 mod target;
+mod writer;
 
 use std::time::{Duration, Instant};
 
@@ -193,9 +194,12 @@ async fn measure(
     let (b1, _) = baseline("1").await?;
     let before = daemon.stats();
     let split = CpuSplit::start(&daemon);
+    let writer_at = writer::WriterSample::read(&daemon.base).await;
     let full =
         load::ingest(&daemon.base, &secret, o.clients, o.secs, None, &format!("{name}: ingest")).await?;
     let ingest_split = split.finish(&daemon, full.latency.len() as f64 / 1000.0, o.secs);
+    let thousands = full.latency.len() as f64 / 1000.0;
+    let ingest_writer = writer_share(writer_at, &daemon.base, o.secs, thousands, "per 1000 callbacks").await;
     let after = daemon.stats();
     // The most any receiver could acknowledge here, between the same two
     // baselines: the ingest target is out of reach where this is below it.
@@ -258,6 +262,9 @@ async fn measure(
         "-",
         None,
     ));
+    if let Some(share) = ingest_writer {
+        rows.push(row(WRITER_INGEST_ROW, share, None, None, "-", None));
+    }
     rows.push(row(
         "peak RSS during ingest",
         format!("{:.1} MiB", after.peak_rss_kib as f64 / 1024.0),
@@ -295,8 +302,11 @@ async fn measure(
     let decisions = load::open_operations(&daemon.base, TOKEN, &sandbox, o.ops, &e2e_tag).await?;
     let split = CpuSplit::start(&daemon);
     let counters = PgCounters::read(&db.url).await;
+    let writer_at = writer::WriterSample::read(&daemon.base).await;
     let e2e = load::answer_all(&sandbox, &effects, &decisions, None, &format!("{name}: end to end")).await?;
-    let e2e_split = split.finish(&daemon, e2e.count as f64, e2e.count as f64 / e2e.approvals_per_sec);
+    let e2e_secs = e2e.count as f64 / e2e.approvals_per_sec;
+    let e2e_split = split.finish(&daemon, e2e.count as f64, e2e_secs);
+    let e2e_writer = writer_share(writer_at, &daemon.base, e2e_secs, e2e.count as f64, "per approval").await;
     let e2e_pg = pg_per(counters, &db.url, e2e.count as f64).await;
     let (b3, commit_cpu_ms) = baseline("3").await?;
     let b23 = (b2 + b3) / 2.0;
@@ -319,6 +329,9 @@ async fn measure(
     ));
     if let Some(per) = e2e_pg {
         rows.push(row(WAL_ROW, per, None, None, "-", None));
+    }
+    if let Some(share) = e2e_writer {
+        rows.push(row(WRITER_E2E_ROW, share, None, None, "-", None));
     }
     rows.push(row(
         "baseline: machine CPU ms per single-row commit (database, its client, kernel)",
@@ -476,6 +489,23 @@ const CEILING_ROW: &str =
 
 /// PostgreSQL's counters per approval, the figure's row label.
 const WAL_ROW: &str = "end to end per approval: WAL bytes / full-page images / blocks read (PostgreSQL)";
+
+/// SQLite's one writer, the figures' row labels: what bounds SQLite's
+/// rates when its share of the run is near all of it.
+const WRITER_INGEST_ROW: &str = "ingest: SQLite's one writer taken (writers running / commits flushing)";
+const WRITER_E2E_ROW: &str = "end to end: SQLite's one writer taken (writers running / commits flushing)";
+
+/// SQLite's writer over a run that began at `start` (per callback or per
+/// approval); None on PostgreSQL.
+async fn writer_share(
+    start: Option<writer::WriterSample>,
+    base: &str,
+    elapsed_secs: f64,
+    units: f64,
+    per: &str,
+) -> Option<String> {
+    Some(start?.share(&writer::WriterSample::read(base).await?, elapsed_secs, units, per))
+}
 
 /// PostgreSQL's counters per unit of work since `start`; None on SQLite.
 async fn pg_per(start: Option<PgCounters>, url: &str, units: f64) -> Option<String> {

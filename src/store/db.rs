@@ -393,6 +393,13 @@ impl Store {
         Ok(Self { backend, sqlite_group, work_signal })
     }
 
+    /// SQLite: how much of the time since the store was opened its one
+    /// writer was taken. None on PostgreSQL, whose writers do not queue
+    /// behind one another in this process.
+    pub fn sqlite_writer_busy(&self) -> Option<super::WriterBusy> {
+        self.sqlite_group.as_ref().map(|g| g.busy())
+    }
+
     /// Names this store handle (and its clones) in the NOTIFYs it sends.
     /// Every writer in a process that signals work also wakes that
     /// process's workers directly, so a listener skips its own signals

@@ -17,6 +17,7 @@ pub use db::{BatchInsert, Store, ThreadWork, WORK_CHANNEL};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use insights::{Activity, OperatorFilter};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, PusharyCall, Transition};
+pub use sqlite_group::WriterBusy;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -16,7 +16,9 @@
 //! another's uncommitted write shares its fate, because they commit
 //! together or not at all.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use sqlx::{Sqlite, SqliteConnection, SqlitePool, Transaction};
 use tokio::sync::{Mutex, MutexGuard, Notify, watch};
@@ -32,6 +34,29 @@ pub(crate) struct SqliteGroup {
     state: Mutex<State>,
     /// Wakes the committer: a writer has run.
     kick: Arc<Notify>,
+    /// Since start, for `/metrics`: how much of the time the one writer
+    /// was taken (writers running, commits flushing). Near all of it, the
+    /// node writes as fast as SQLite lets one process (docs/performance.md).
+    busy: Counters,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    writing_us: AtomicU64,
+    committing_us: AtomicU64,
+    writes: AtomicU64,
+    commits: AtomicU64,
+}
+
+/// What the writer has done since the store was opened.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WriterBusy {
+    /// Writers holding their turn (running their statements).
+    pub writing: Duration,
+    /// Commits flushing, every writer waiting.
+    pub committing: Duration,
+    pub writes: u64,
+    pub commits: u64,
 }
 
 #[derive(Debug)]
@@ -59,6 +84,7 @@ struct State {
 pub(crate) struct Turn<'a> {
     guard: MutexGuard<'a, State>,
     kick: &'a Notify,
+    busy: &'a Counters,
     held: std::time::Instant,
 }
 
@@ -77,6 +103,7 @@ impl SqliteGroup {
                 outcome: watch::channel(None).0,
             }),
             kick: Arc::clone(&kick),
+            busy: Counters::default(),
         });
         tokio::spawn(committer(Arc::downgrade(&group), kick));
         group
@@ -93,7 +120,17 @@ impl SqliteGroup {
             guard.tx = Some(self.pool.begin_with("BEGIN IMMEDIATE").await?);
         }
         guard.turns += 1;
-        Ok(Turn { guard, kick: &self.kick, held: std::time::Instant::now() })
+        Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held: std::time::Instant::now() })
+    }
+
+    pub(crate) fn busy(&self) -> WriterBusy {
+        let us = |c: &AtomicU64| Duration::from_micros(c.load(Ordering::Relaxed));
+        WriterBusy {
+            writing: us(&self.busy.writing_us),
+            committing: us(&self.busy.committing_us),
+            writes: self.busy.writes.load(Ordering::Relaxed),
+            commits: self.busy.commits.load(Ordering::Relaxed),
+        }
     }
 }
 
@@ -140,7 +177,10 @@ impl Drop for Turn<'_> {
     // Also on a cancelled writer, so a transaction is never left open
     // holding SQLite's write lock.
     fn drop(&mut self) {
-        self.guard.hold_us += self.held.elapsed().as_micros() as u64;
+        let held = self.held.elapsed().as_micros() as u64;
+        self.guard.hold_us += held;
+        self.busy.writing_us.fetch_add(held, Ordering::Relaxed);
+        self.busy.writes.fetch_add(1, Ordering::Relaxed);
         self.kick.notify_one();
     }
 }
@@ -186,6 +226,9 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
         let Some(tx) = state.tx.take() else { continue };
         let started = std::time::Instant::now();
         let result = tx.commit().await.map_err(|e| e.to_string());
+        let commit_us = started.elapsed().as_micros() as u64;
+        group.busy.committing_us.fetch_add(commit_us, Ordering::Relaxed);
+        group.busy.commits.fetch_add(1, Ordering::Relaxed);
         let cycle_us = state.last_commit.map_or(0, |l| l.elapsed().as_micros());
         state.last_commit = Some(std::time::Instant::now());
         tracing::trace!(
@@ -193,7 +236,7 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
             wait_us = state.wait_us,
             hold_us = state.hold_us,
             cycle_us,
-            commit_us = started.elapsed().as_micros(),
+            commit_us,
             "SQLite group commit"
         );
         state.turns = 0;

@@ -63,6 +63,21 @@ async fn metrics_count_callbacks_pushary_calls_deliveries_sweeps_and_the_store()
     assert_eq!(sample(&text, "approvald_inbox_depth{state=\"new\"}"), Some(1.0), "{text}");
     let age = sample(&text, "approvald_inbox_oldest_new_age_seconds").expect("age");
     assert!((0.0..60.0).contains(&age), "{age}");
+    // SQLite's one writer: its time, its writes and its commits; PostgreSQL has no such writer.
+    let writes = sample(&text, "approvald_sqlite_writes_total");
+    if app.engine.store().is_postgres() {
+        assert_eq!(writes, None, "{text}");
+    } else {
+        // The enqueue, the open, two callbacks stored, the answer and the steps after it.
+        at_least("approvald_sqlite_writes_total", 6.0);
+        at_least("approvald_sqlite_commits_total", 1.0);
+        let commits = sample(&text, "approvald_sqlite_commits_total").expect("commits");
+        assert!(commits <= writes.expect("writes"), "{text}");
+        let writing = sample(&text, "approvald_sqlite_writer_busy_seconds_total{phase=\"writing\"}");
+        assert!(writing.is_some_and(|s| s > 0.0), "{text}");
+        let committing = sample(&text, "approvald_sqlite_writer_busy_seconds_total{phase=\"committing\"}");
+        assert!(committing.is_some_and(|s| s > 0.0), "{text}");
+    }
 
     // Pushary failing shows as errors by call.
     app.sandbox.fail_next_api_calls(503, 1);
