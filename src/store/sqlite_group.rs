@@ -114,13 +114,15 @@ impl SqliteGroup {
     pub(crate) async fn turn(&self) -> Result<Turn<'_>, StoreError> {
         let asked = std::time::Instant::now();
         let mut guard = self.state.lock().await;
+        // The writer is taken from here: opening the transaction is part of its work.
+        let held = std::time::Instant::now();
         guard.wait_us += asked.elapsed().as_micros() as u64;
         discard_dangling(&mut guard).await?;
         if guard.tx.is_none() {
             guard.tx = Some(self.pool.begin_with("BEGIN IMMEDIATE").await?);
         }
         guard.turns += 1;
-        Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held: std::time::Instant::now() })
+        Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held })
     }
 
     pub(crate) fn busy(&self) -> WriterBusy {
@@ -305,5 +307,41 @@ mod tests {
         turn.set_savepoint_open(false);
         turn.finish(r.map_err(StoreError::from)).await.expect("commits");
         assert_eq!(values(&pool).await, vec![3]);
+    }
+
+    // What `/metrics` reports of the writer: every turn is a write, every
+    // flush a commit, and their time adds up.
+    #[tokio::test]
+    async fn the_writer_counts_its_writes_commits_and_time() {
+        let (_dir, pool, group) = group().await;
+        assert_eq!(group.busy(), WriterBusy::default());
+        // One after another: each waits for its own commit, so three commits.
+        for v in 0..3 {
+            let mut turn = group.turn().await.expect("a turn");
+            let r = sqlx::query("INSERT INTO t VALUES ($1)").bind(v).execute(&mut *turn.conn()).await;
+            turn.finish(r.map(|_| ()).map_err(StoreError::from)).await.expect("commits");
+        }
+        let after = group.busy();
+        assert_eq!((after.writes, after.commits), (3, 3));
+        assert!(after.writing > Duration::ZERO && after.committing > Duration::ZERO, "{after:?}");
+        // Two writers at once: the second may ride on the first one's commit.
+        let first = {
+            let mut turn = group.turn().await.expect("a turn");
+            let r = sqlx::query("INSERT INTO t VALUES (10)").execute(&mut *turn.conn()).await;
+            turn.finish(r.map(|_| ()).map_err(StoreError::from))
+        };
+        let second = async {
+            let mut turn = group.turn().await.expect("a turn");
+            let r = sqlx::query("INSERT INTO t VALUES (11)").execute(&mut *turn.conn()).await;
+            turn.finish(r.map(|_| ()).map_err(StoreError::from)).await
+        };
+        let (a, b) = tokio::join!(first, second);
+        a.expect("commits");
+        b.expect("commits");
+        let end = group.busy();
+        assert_eq!(end.writes, 5, "{end:?}");
+        assert!((4..=5).contains(&end.commits), "{end:?}");
+        assert!(end.writing >= after.writing && end.committing >= after.committing, "{end:?}");
+        assert_eq!(values(&pool).await, vec![0, 1, 2, 10, 11]);
     }
 }
