@@ -26,6 +26,9 @@ pub struct Daemon {
     child: Option<Child>,
     _pg: Option<crate::harness::PgDb>,
     stderr: Arc<Mutex<String>>,
+    /// Says when the reader has all of a dead process's stderr: its exit
+    /// can be seen before its last lines are read.
+    stderr_read: Option<std::sync::mpsc::Receiver<()>>,
     shutdown: CancellationToken,
     pub kills: usize,
 }
@@ -108,6 +111,7 @@ timeout_secs = 3
             child: None,
             _pg: pg,
             stderr: Arc::new(Mutex::new(String::new())),
+            stderr_read: None,
             shutdown,
             kills: 0,
         }
@@ -125,12 +129,15 @@ timeout_secs = 3
         let mut child = cmd.spawn().expect("approvald starts");
         let stderr = child.stderr.take().expect("stderr");
         let sink = Arc::clone(&self.stderr);
+        let (read, stderr_read) = std::sync::mpsc::channel();
+        self.stderr_read = Some(stderr_read);
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 let mut s = sink.lock().expect("lock");
                 s.push_str(&line);
                 s.push('\n');
             }
+            let _ = read.send(());
         });
         self.child = Some(child);
         let start = Instant::now();
@@ -168,6 +175,10 @@ timeout_secs = 3
             if let Some(status) = exited {
                 self.child = None;
                 self.kills += 1;
+                // Its last line (the fault point's) may still be in the pipe.
+                if let Some(read) = self.stderr_read.take() {
+                    let _ = read.recv_timeout(WAIT);
+                }
                 let log = self.stderr();
                 assert!(
                     log.contains(&format!("APPROVALD_FAULT_REACHED {point}")),
