@@ -171,22 +171,19 @@ impl Metrics {
                 "approvald_inbox_oldest_new_age_seconds" => {
                     let _ = writeln!(out, "{name} {:.3}", store.oldest_new_age.as_secs_f64());
                 }
-                "approvald_sqlite_writer_busy_seconds_total" => {
-                    if let Some(w) = &store.sqlite_writer {
-                        for (phase, d) in [("writing", w.writing), ("committing", w.committing)] {
-                            let _ = writeln!(out, "{name}{{phase=\"{phase}\"}} {:.6}", d.as_secs_f64());
-                        }
-                    }
-                }
-                "approvald_sqlite_writes_total" => {
-                    if let Some(w) = &store.sqlite_writer {
-                        let _ = writeln!(out, "{name} {}", w.writes);
-                    }
-                }
-                "approvald_sqlite_commits_total" => {
-                    if let Some(w) = &store.sqlite_writer {
-                        let _ = writeln!(out, "{name} {}", w.commits);
-                    }
+                // Read from the store at scrape time, like the gauges; none on PostgreSQL.
+                _ if name.starts_with("approvald_sqlite_") => {
+                    let Some(w) = &store.sqlite_writer else { continue };
+                    let _ = match *name {
+                        "approvald_sqlite_writes_total" => writeln!(out, "{name} {}", w.writes),
+                        "approvald_sqlite_commits_total" => writeln!(out, "{name} {}", w.commits),
+                        _ => writeln!(
+                            out,
+                            "{name}{{phase=\"writing\"}} {:.6}\n{name}{{phase=\"committing\"}} {:.6}",
+                            w.writing.as_secs_f64(),
+                            w.committing.as_secs_f64()
+                        ),
+                    };
                 }
                 _ if *kind == "histogram" => {
                     for ((_, l), h) in histograms.iter().filter(|((n, _), _)| n == name) {

@@ -16,7 +16,8 @@ impl WriterSample {
     /// The daemon's writer counters now; None on PostgreSQL (no such
     /// series) or if the scrape fails (the row is then left out).
     pub async fn read(base: &str) -> Option<Self> {
-        let text = reqwest::get(format!("{base}/metrics")).await.ok()?.text().await.ok()?;
+        let http = crate::http::client_builder().build().ok()?;
+        let text = http.get(format!("{base}/metrics")).send().await.ok()?.text().await.ok()?;
         parse(&text)
     }
 
