@@ -330,6 +330,8 @@ pub struct Store {
     /// commit in groups; the busy timeout remains for other processes (the
     /// CLI).
     pub(super) sqlite_group: Option<std::sync::Arc<SqliteGroup>>,
+    /// SQLite: the saves waiting for the writer, run in batches (`save`).
+    pub(super) sqlite_saves: Option<std::sync::Arc<super::save::SaveQueue>>,
     work_signal: std::sync::Arc<WorkSignal>,
 }
 
@@ -372,11 +374,17 @@ impl Store {
                 .synchronous(synchronous)
                 .busy_timeout(Duration::from_millis(config.busy_timeout_ms))
                 .foreign_keys(true)
-                // The save's flag table and sorts stay off the disk.
+                // The save's table and sorts stay off the disk.
                 .pragma("temp_store", "memory");
             let pool = SqlitePoolOptions::new()
                 .max_connections(config.max_connections)
                 .acquire_timeout(Duration::from_secs(10))
+                // Any connection may be the next group commit's.
+                .after_connect(|conn, _| {
+                    Box::pin(async move {
+                        sqlx::raw_sql(super::save::sqlite_save_setup()).execute(conn).await.map(|_| ())
+                    })
+                })
                 .connect_with(options)
                 .await?;
             Backend::Sqlite(pool)
@@ -390,7 +398,8 @@ impl Store {
             running: false.into(),
             instance: format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
         });
-        Ok(Self { backend, sqlite_group, work_signal })
+        let sqlite_saves = sqlite_group.as_ref().map(super::save::SaveQueue::new);
+        Ok(Self { backend, sqlite_group, sqlite_saves, work_signal })
     }
 
     /// SQLite: how much of the time since the store was opened its one

@@ -5,11 +5,11 @@
 //! It is the hottest write (four or five per approval), so each engine
 //! gets the fewest round trips it allows (docs/decisions.md §15): on
 //! PostgreSQL one statement of data-modifying CTEs, committed on its own
-//! (no BEGIN/COMMIT round trips); on SQLite one multi-statement hop to
-//! sqlx's connection thread inside the group commit's turn (each hop is a
-//! thread wake-up that every other writer waits behind). Rows of any
-//! number go in as one JSON array parameter, so each engine has one fixed
-//! statement text, prepared once.
+//! (no BEGIN/COMMIT round trips); on SQLite one statement, whose trigger
+//! does the work, inside the group commit's turn (each result sqlx hands
+//! back from its connection thread can be a thread wake-up that every
+//! other writer waits behind). Rows of any number go in as one JSON array
+//! parameter, so each engine has one fixed statement text, prepared once.
 
 use serde_json::{Value, json};
 use sqlx::Row as _;
@@ -67,38 +67,8 @@ macro_rules! release_next_answer {
     };
 }
 
-/// SQLite: everything in one multi-statement query, so one hop to sqlx's
-/// connection thread. Whether the compare-and-set took is carried to the
-/// statements that depend on it in a one-row temp table (SQLite has no
-/// variables); the calls and the delivery attempt are recorded either way
-/// (they happened whatever became of the operation). A save that fails
-/// part way, or is dropped, leaves the savepoint open; it is rolled back
-/// (here, or by the next turn: `sqlite_group`).
-const SQLITE_SAVE: &str = concat!(
-    "CREATE TEMP TABLE IF NOT EXISTS approvald_saved (n INTEGER NOT NULL); \
-     SAVEPOINT approvald_save; ",
-    update_operation!(),
-    "; INSERT INTO temp.approvald_saved (n) VALUES (changes()); \
-     INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, response_body) \
-       SELECT json_extract(j.value, '$.operation_id'), json_extract(j.value, '$.attempt'), \
-         json_extract(j.value, '$.started_at'), json_extract(j.value, '$.duration_ms'), \
-         json_extract(j.value, '$.status_code'), json_extract(j.value, '$.error'), \
-         json_extract(j.value, '$.response_body') FROM json_each($26) j; \
-     INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code, error) \
-       SELECT json_extract(j.value, '$.operation_id'), json_extract(j.value, '$.call'), \
-         json_extract(j.value, '$.started_at'), json_extract(j.value, '$.duration_ms'), \
-         json_extract(j.value, '$.status_code'), json_extract(j.value, '$.error') FROM json_each($27) j; \
-     INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) \
-       SELECT $19, json_extract(j.value, '$.from'), json_extract(j.value, '$.to'), \
-         json_extract(j.value, '$.at'), json_extract(j.value, '$.cause'), json_extract(j.value, '$.actor') \
-       FROM json_each($25) j WHERE EXISTS (SELECT 1 FROM temp.approvald_saved WHERE n = 1); ",
-    release_next_answer!("$19", "$24", "$30", "$18"),
-    " AND $28 AND EXISTS (SELECT 1 FROM temp.approvald_saved WHERE n = 1); \
-     UPDATE inbox SET state = $31, note = $32, operation_id = $19, processed_at = $18 \
-       WHERE id = $29 AND EXISTS (SELECT 1 FROM temp.approvald_saved WHERE n = 1); \
-     RELEASE approvald_save; \
-     DELETE FROM temp.approvald_saved RETURNING n AS saved"
-);
+mod sqlite;
+pub(super) use sqlite::{SaveQueue, sqlite_save_setup};
 
 /// PostgreSQL: everything in one statement, so one round trip and one
 /// implicit transaction. Sub-statements share one snapshot, which is why
@@ -288,27 +258,8 @@ impl Store {
                 row.try_get::<i64, _>("saved")? == 1
             }
             Backend::Sqlite(_) => {
-                let group = self.sqlite_group.as_ref().expect("a SQLite store has a write group");
-                let mut turn = group.turn().await?;
-                turn.set_savepoint_open(true);
-                let q = bind_all!(sqlx::query(SQLITE_SAVE), op, x);
-                let result = match q.fetch_optional(&mut *turn.conn()).await {
-                    Ok(row) => {
-                        turn.set_savepoint_open(false);
-                        match row {
-                            Some(row) => {
-                                row.try_get::<i64, _>("saved").map(|n| n == 1).map_err(StoreError::from)
-                            }
-                            None => Err(StoreError::Corrupt("a SQLite save returned no row".into())),
-                        }
-                    }
-                    Err(e) => {
-                        // Undone now, or by the next turn if this fails too.
-                        turn.discard_savepoint().await;
-                        Err(StoreError::from(e))
-                    }
-                };
-                turn.finish(result).await?
+                let queue = self.sqlite_saves.as_ref().expect("a SQLite store has a save queue");
+                queue.save(bind_all!(sqlite::Values::default(), op, x)).await?
             }
         };
         op.unrecorded_delivery = None;

@@ -71,10 +71,6 @@ struct State {
     wait_us: u64,
     hold_us: u64,
     last_commit: Option<std::time::Instant>,
-    /// A writer opened `approvald_save` (see `save`) and has not released it: it was
-    /// dropped between its statements. Its writes are rolled back before
-    /// anything else runs on the connection.
-    savepoint_open: bool,
     /// Tells the writers of the open transaction how its commit went.
     outcome: watch::Sender<CommitOutcome>,
 }
@@ -86,6 +82,7 @@ pub(crate) struct Turn<'a> {
     kick: &'a Notify,
     busy: &'a Counters,
     held: std::time::Instant,
+    extra_writes: u64,
 }
 
 impl SqliteGroup {
@@ -99,7 +96,6 @@ impl SqliteGroup {
                 wait_us: 0,
                 hold_us: 0,
                 last_commit: None,
-                savepoint_open: false,
                 outcome: watch::channel(None).0,
             }),
             kick: Arc::clone(&kick),
@@ -117,12 +113,11 @@ impl SqliteGroup {
         // The writer is taken from here: opening the transaction is part of its work.
         let held = std::time::Instant::now();
         guard.wait_us += asked.elapsed().as_micros() as u64;
-        discard_dangling(&mut guard).await?;
         if guard.tx.is_none() {
             guard.tx = Some(self.pool.begin_with("BEGIN IMMEDIATE").await?);
         }
         guard.turns += 1;
-        Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held })
+        Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held, extra_writes: 0 })
     }
 
     pub(crate) fn busy(&self) -> WriterBusy {
@@ -141,31 +136,41 @@ impl Turn<'_> {
         self.guard.tx.as_mut().expect("a turn always has the transaction open")
     }
 
-    /// Says whether the writer holds `approvald_save` (see `save`) open, so that a
-    /// writer dropped while holding it is rolled back, not committed.
-    pub(crate) fn set_savepoint_open(&mut self, open: bool) {
-        self.guard.savepoint_open = open;
-    }
-
-    /// Rolls back and releases `approvald_save` (see `save`) after a failed statement.
-    /// If even that fails, the transaction is abandoned (see
-    /// `discard_dangling`).
-    pub(crate) async fn discard_savepoint(&mut self) {
-        if let Err(e) = discard_dangling(&mut self.guard).await {
-            tracing::error!(error = %e, "cannot roll back a failed SQLite write");
-        }
-    }
-
     /// Ends the turn. A writer that succeeded waits for the commit that
     /// holds its writes; one that failed has nothing of its own to commit
-    /// (its savepoint is rolled back) and returns at once.
+    /// (its statement, or its transaction's savepoint, was undone) and
+    /// returns at once.
     pub(crate) async fn finish<T>(self, result: Result<T, StoreError>) -> Result<T, StoreError> {
-        let mut outcome = self.guard.outcome.subscribe();
-        drop(self);
+        let committed = self.release();
         let value = result?;
-        let settled = outcome.wait_for(Option::is_some).await;
+        committed.wait().await?;
+        Ok(value)
+    }
+
+    /// Ends the turn without waiting: what it ran is in the open
+    /// transaction, whose commit the returned handle waits for. For a turn
+    /// that ran the writes of several callers (the batched saves).
+    pub(crate) fn release(self) -> Committed {
+        let committed = Committed(self.guard.outcome.subscribe());
+        drop(self);
+        committed
+    }
+
+    /// The turn ran `n` callers' writes, not one: `/metrics` counts writes.
+    pub(crate) fn ran_writes(&mut self, n: u64) {
+        self.extra_writes = n.saturating_sub(1);
+    }
+}
+
+/// The commit of the transaction a turn's writes went into.
+#[derive(Clone, Debug)]
+pub(crate) struct Committed(watch::Receiver<CommitOutcome>);
+
+impl Committed {
+    pub(crate) async fn wait(mut self) -> Result<(), StoreError> {
+        let settled = self.0.wait_for(Option::is_some).await;
         match settled.as_deref() {
-            Ok(Some(Ok(()))) => Ok(value),
+            Ok(Some(Ok(()))) => Ok(()),
             Ok(Some(Err(e))) => Err(StoreError::Unavailable(format!("commit failed: {e}"))),
             // The committer is gone with the store: the commit never happened.
             Ok(None) | Err(_) => {
@@ -182,7 +187,7 @@ impl Drop for Turn<'_> {
         let held = self.held.elapsed().as_micros() as u64;
         self.guard.hold_us += held;
         self.busy.writing_us.fetch_add(held, Ordering::Relaxed);
-        self.busy.writes.fetch_add(1, Ordering::Relaxed);
+        self.busy.writes.fetch_add(1 + self.extra_writes, Ordering::Relaxed);
         self.kick.notify_one();
     }
 }
@@ -193,27 +198,6 @@ impl Drop for SqliteGroup {
     }
 }
 
-/// Rolls back the writes of a writer dropped while it held
-/// `approvald_save` (see `save`). If that fails, the open transaction is abandoned:
-/// its writers get the error, as they would from a failed commit, because
-/// committing it could commit half of the dropped writer's work.
-async fn discard_dangling(state: &mut State) -> Result<(), StoreError> {
-    if !state.savepoint_open {
-        return Ok(());
-    }
-    state.savepoint_open = false;
-    let Some(tx) = state.tx.as_mut() else { return Ok(()) };
-    let sql = "ROLLBACK TO approvald_save; RELEASE approvald_save";
-    let Err(e) = sqlx::raw_sql(sql).execute(&mut **tx).await else { return Ok(()) };
-    let reason = format!("rolling back a dropped write failed: {e}");
-    tracing::error!(error = %e, "abandoning the open SQLite group transaction");
-    state.tx = None;
-    state.turns = 0;
-    let next = watch::channel(None).0;
-    std::mem::replace(&mut state.outcome, next).send_replace(Some(Err(reason.clone())));
-    Err(StoreError::Unavailable(reason))
-}
-
 /// Commits the open transaction each time a writer has run. Its turn on
 /// the lock comes after every writer that queued while the last commit
 /// flushed, so they all ride on this one.
@@ -222,9 +206,6 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
         kick.notified().await;
         let Some(group) = group.upgrade() else { return };
         let mut state = group.state.lock().await;
-        if discard_dangling(&mut state).await.is_err() {
-            continue;
-        }
         let Some(tx) = state.tx.take() else { continue };
         let started = std::time::Instant::now();
         let result = tx.commit().await.map_err(|e| e.to_string());
@@ -273,40 +254,6 @@ mod tests {
 
     async fn values(pool: &SqlitePool) -> Vec<i64> {
         sqlx::query_scalar("SELECT v FROM t ORDER BY v").fetch_all(pool).await.expect("reads")
-    }
-
-    // A writer dropped between its statements (a cancelled request) must
-    // not have its first statements committed with the next writer's.
-    #[tokio::test]
-    async fn a_writer_dropped_inside_its_savepoint_is_rolled_back_not_committed() {
-        let (_dir, pool, group) = group().await;
-        {
-            let mut turn = group.turn().await.expect("a turn");
-            turn.set_savepoint_open(true);
-            sqlx::raw_sql("SAVEPOINT approvald_save; INSERT INTO t VALUES (1)")
-                .execute(&mut *turn.conn())
-                .await
-                .expect("runs");
-            // Dropped without releasing or finishing.
-        }
-        let mut turn = group.turn().await.expect("a turn");
-        let r = sqlx::query("INSERT INTO t VALUES (2)").execute(&mut *turn.conn()).await.map(|_| ());
-        turn.finish(r.map_err(StoreError::from)).await.expect("commits");
-        assert_eq!(values(&pool).await, vec![2]);
-    }
-
-    #[tokio::test]
-    async fn a_released_savepoint_commits_with_its_group() {
-        let (_dir, pool, group) = group().await;
-        let mut turn = group.turn().await.expect("a turn");
-        turn.set_savepoint_open(true);
-        let r = sqlx::raw_sql("SAVEPOINT approvald_save; INSERT INTO t VALUES (3); RELEASE approvald_save")
-            .execute(&mut *turn.conn())
-            .await
-            .map(|_| ());
-        turn.set_savepoint_open(false);
-        turn.finish(r.map_err(StoreError::from)).await.expect("commits");
-        assert_eq!(values(&pool).await, vec![3]);
     }
 
     // What `/metrics` reports of the writer: every turn is a write, every

@@ -333,8 +333,9 @@ async fn a_thread_lease_is_exclusive_until_it_expires_and_then_lost_by_its_old_o
 
 both_engines! {
 async fn concurrent_saves_of_one_version_move_an_operation_once_and_record_only_the_winner() {
-    // On SQLite concurrent saves run together in one hop of the writer
-    // (src/store/save.rs); each must still be its own compare-and-set.
+    // On SQLite concurrent saves run together in one statement of the
+    // writer (src/store/save/sqlite.rs); each must still be its own
+    // compare-and-set.
     let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
     let mut ids = Vec::new();
     for i in 0..12 {
@@ -373,6 +374,64 @@ async fn concurrent_saves_of_one_version_move_an_operation_once_and_record_only_
         assert!(causes.contains(&format!("racer {}", winners[0])), "{id}: {causes:?}");
         let losers = causes.iter().filter(|c| c.starts_with("racer")).count();
         assert_eq!(losers, 1, "{id}: only the winner's transition is recorded: {causes:?}");
+    }
+}
+}
+
+both_engines! {
+async fn a_save_that_fails_beside_others_fails_alone_and_leaves_nothing_behind() {
+    // However the saves are grouped (on SQLite, those queued together run
+    // as one statement: src/store/save/sqlite.rs, whose unit tests build
+    // such a batch), one that breaks a constraint takes only itself down,
+    // with nothing of it kept (not even the calls it noted).
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let store = app.store();
+    let mut ops = Vec::new();
+    for i in 0..12 {
+        let id = app.enqueue_ok(&confirm(&format!("fails-alone-{i}"))).await;
+        ops.push(store.get_operation(None, &id).await.expect("read").expect("exists"));
+    }
+    // The first one holds a decision id; the second one will claim it too.
+    let mut holder = ops[0].clone();
+    holder.decision_id = Some("dec-held-once".into());
+    assert!(store.save(&mut holder, &[], None).await.expect("save"));
+    let mut savers = tokio::task::JoinSet::new();
+    for (n, op) in ops.iter().enumerate().skip(1) {
+        let mut op = op.clone();
+        op.last_error = Some("saved beside the failing one".into());
+        if n == 1 {
+            op.decision_id = Some("dec-held-once".into());
+        }
+        op.unrecorded_calls.push(approvald::store::PusharyCall {
+            operation_id: op.id.clone(),
+            call: "create_decision".into(),
+            started_at: op.updated_at,
+            duration_ms: 1,
+            status_code: Some(201),
+            error: None,
+        });
+        let t = approvald::store::Transition::new(Some(op.state), op.state, op.updated_at, "saver", "test");
+        let store = store.clone();
+        savers.spawn(async move { (n, op.id.clone(), store.save(&mut op, &[t], None).await) });
+    }
+    for (n, id, result) in savers.join_all().await {
+        let op = store.get_operation(None, &id).await.expect("read").expect("exists");
+        let causes: Vec<String> =
+            store.transitions(&id).await.expect("transitions").into_iter().map(|t| t.cause).collect();
+        let calls = store.pushary_calls(&id).await.expect("calls");
+        if n == 1 {
+            let e = result.expect_err("a second holder of one decision id is refused");
+            assert!(e.to_string().to_lowercase().contains("unique"), "{e}");
+            assert_eq!(op.version, ops[1].version, "unchanged");
+            assert!(op.decision_id.is_none() && op.last_error.is_none(), "{op:?}");
+            assert!(!causes.iter().any(|c| c == "saver"), "{causes:?}");
+            assert!(calls.is_empty(), "nothing of the failed save is kept: {calls:?}");
+        } else {
+            assert!(result.expect("saves"), "{id}: saved");
+            assert_eq!(op.last_error.as_deref(), Some("saved beside the failing one"));
+            assert!(causes.iter().any(|c| c == "saver"), "{causes:?}");
+            assert_eq!(calls.len(), 1, "{calls:?}");
+        }
     }
 }
 }

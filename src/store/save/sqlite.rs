@@ -1,0 +1,506 @@
+//! The save on SQLite: batched, one statement per batch, run by one task.
+//!
+//! SQLite's one writer is the bound of the end-to-end figure
+//! (docs/performance.md), and most of the time a save held it was not
+//! SQLite's: every statement is a hand-off to sqlx's connection thread and
+//! back, and on two busy cores each thread woken waits about 40 µs for a
+//! core (`/proc/<pid>/task/*/schedstat` of the daemon under
+//! `approvald bench`) before it runs. A save of 70–100 µs of SQLite held
+//! the writer 230–400 µs. So the saves queued while the writer was taken
+//! go in together: one statement, one hand-off each way for all of them.
+//!
+//! The statement is `INSERT INTO approvald_save VALUES (…), (…) RETURNING
+//! seq`, and the table's trigger does each save's work
+//! (`SAVE_STEPS`). The calls and the delivery attempt are recorded first,
+//! whatever became of the operation (they happened); `RAISE(IGNORE)` then
+//! ends that row's trigger and drops the row if its compare-and-set did
+//! not take, so the rows returned are the saves that took. A statement is
+//! atomic: if any save in it fails, none of it stays and the group's other
+//! writes do, and the batch is run again one save per statement so only
+//! the failing save gets the error. A save is never half done, so none
+//! needs a savepoint, and one whose caller is gone can only be committed
+//! whole.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, Weak};
+
+use sqlx::Row as _;
+use tokio::sync::{Notify, oneshot};
+
+use crate::store::StoreError;
+use crate::store::sqlite_group::{Committed, SqliteGroup, Turn};
+
+/// The most saves one statement carries (33 values each).
+const MAX_BATCH: usize = 32;
+
+/// The columns of `approvald_save`, in the order `bind_all!` binds them
+/// (`$n` of the texts shared with PostgreSQL is `NEW.` the n-th), then the
+/// save's place in its batch.
+const COLUMNS: [&str; 33] = [
+    "state",
+    "decision_id",
+    "answer",
+    "permit_id",
+    "delivery",
+    "outcome_status",
+    "result",
+    "receipt",
+    "receipt_outcome",
+    "consume_inflight",
+    "consume_attempts",
+    "delivery_inflight",
+    "attempts",
+    "last_error",
+    "due_at",
+    "poll_at",
+    "opened_at",
+    "updated_at",
+    "id",
+    "version",
+    "resume_seq",
+    "clear_inbox_at",
+    "opened_now",
+    "tenant",
+    "transitions",
+    "deliveries",
+    "calls",
+    "release_next",
+    "inbox_id",
+    "thread_id",
+    "inbox_state",
+    "inbox_note",
+    "seq",
+];
+
+/// One save's statements, with the parameters of the texts shared with
+/// PostgreSQL (`$n`).
+const SAVE_STEPS: &str = concat!(
+    "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, error, response_body) \
+       SELECT json_extract(j.value, '$.operation_id'), json_extract(j.value, '$.attempt'), \
+         json_extract(j.value, '$.started_at'), json_extract(j.value, '$.duration_ms'), \
+         json_extract(j.value, '$.status_code'), json_extract(j.value, '$.error'), \
+         json_extract(j.value, '$.response_body') FROM json_each($26) j; \
+     INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code, error) \
+       SELECT json_extract(j.value, '$.operation_id'), json_extract(j.value, '$.call'), \
+         json_extract(j.value, '$.started_at'), json_extract(j.value, '$.duration_ms'), \
+         json_extract(j.value, '$.status_code'), json_extract(j.value, '$.error') FROM json_each($27) j; ",
+    update_operation!(),
+    "; SELECT RAISE(IGNORE) WHERE changes() = 0; \
+     INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) \
+       SELECT $19, json_extract(j.value, '$.from'), json_extract(j.value, '$.to'), \
+         json_extract(j.value, '$.at'), json_extract(j.value, '$.cause'), json_extract(j.value, '$.actor') \
+       FROM json_each($25) j; ",
+    release_next_answer!("$19", "$24", "$30", "$18"),
+    " AND $28; \
+     UPDATE inbox SET state = $31, note = $32, operation_id = $19, processed_at = $18 WHERE id = $29;"
+);
+
+/// Creates the save's table and triggers on a new SQLite connection (any
+/// connection may be the next group commit's). They are TEMP: each
+/// connection has its own, gone with it, so a new version of approvald
+/// never finds an old one. Rows padding a batch to its statement's size
+/// have no id and do nothing; the second trigger keeps the table empty.
+pub(crate) fn sqlite_save_setup() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| {
+        format!(
+            "CREATE TEMP TABLE IF NOT EXISTS approvald_save ({columns}); \
+             CREATE TEMP TRIGGER IF NOT EXISTS approvald_save_run BEFORE INSERT ON approvald_save \
+             WHEN NEW.id IS NOT NULL BEGIN {steps} END; \
+             CREATE TEMP TRIGGER IF NOT EXISTS approvald_save_done AFTER INSERT ON approvald_save \
+             BEGIN DELETE FROM approvald_save; END;",
+            columns = COLUMNS.join(", "),
+            steps = with_new_columns(SAVE_STEPS),
+        )
+    })
+}
+
+/// `$n` → `NEW.<the n-th column>`: a trigger has no parameters.
+fn with_new_columns(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len() * 2);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits = rest[at + 1..].bytes().take_while(u8::is_ascii_digit).count();
+        match rest[at + 1..at + 1 + digits].parse::<usize>() {
+            Ok(n) if (1..COLUMNS.len()).contains(&n) => {
+                out.push_str("NEW.");
+                out.push_str(COLUMNS[n - 1]);
+            }
+            // Not a parameter (`'$.from'`, a JSON path): kept as it is.
+            _ => out.push_str(&rest[at..at + 1 + digits]),
+        }
+        rest = &rest[at + 1 + digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The batch statement for `rows` rows (a power of two up to
+/// `MAX_BATCH`), built once: a handful of texts, each prepared once per
+/// connection.
+fn batch_text(rows: usize) -> &'static str {
+    const SIZES: usize = MAX_BATCH.ilog2() as usize + 1;
+    static TEXTS: [std::sync::OnceLock<String>; SIZES] = [const { std::sync::OnceLock::new() }; SIZES];
+    let rows = rows.clamp(1, MAX_BATCH).next_power_of_two();
+    TEXTS[rows.trailing_zeros() as usize].get_or_init(|| {
+        let row = format!("({})", vec!["?"; COLUMNS.len()].join(", "));
+        format!("INSERT INTO approvald_save VALUES {} RETURNING seq", vec![row; rows].join(", "))
+    })
+}
+
+/// A value of a save's row, owned: it is bound by the task that runs the
+/// batch, after its caller has moved on to waiting.
+#[derive(Debug)]
+pub(crate) enum SaveValue {
+    Text(Option<String>),
+    Int(Option<i64>),
+}
+
+/// Collects what `bind_all!` binds, in its order.
+#[derive(Debug, Default)]
+pub(crate) struct Values(pub(crate) Vec<SaveValue>);
+
+impl Values {
+    pub(crate) fn bind(mut self, v: impl Into<SaveValue>) -> Self {
+        self.0.push(v.into());
+        self
+    }
+}
+
+impl From<&str> for SaveValue {
+    fn from(v: &str) -> Self {
+        SaveValue::Text(Some(v.to_string()))
+    }
+}
+impl From<&String> for SaveValue {
+    fn from(v: &String) -> Self {
+        SaveValue::Text(Some(v.clone()))
+    }
+}
+impl From<&Option<String>> for SaveValue {
+    fn from(v: &Option<String>) -> Self {
+        SaveValue::Text(v.clone())
+    }
+}
+impl From<Option<&str>> for SaveValue {
+    fn from(v: Option<&str>) -> Self {
+        SaveValue::Text(v.map(str::to_string))
+    }
+}
+impl From<i64> for SaveValue {
+    fn from(v: i64) -> Self {
+        SaveValue::Int(Some(v))
+    }
+}
+impl From<Option<i64>> for SaveValue {
+    fn from(v: Option<i64>) -> Self {
+        SaveValue::Int(v)
+    }
+}
+impl From<bool> for SaveValue {
+    fn from(v: bool) -> Self {
+        SaveValue::Int(Some(i64::from(v)))
+    }
+}
+
+/// What a caller gets back: whether its save took, and the commit it
+/// waits for before it may say so.
+type Reply = Result<(bool, Committed), StoreError>;
+
+struct Pending {
+    values: Vec<SaveValue>,
+    reply: oneshot::Sender<Reply>,
+}
+
+/// The saves waiting for the writer, and the task that runs them.
+pub(crate) struct SaveQueue {
+    pending: Mutex<VecDeque<Pending>>,
+    ready: Arc<Notify>,
+}
+
+impl std::fmt::Debug for SaveQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveQueue").finish_non_exhaustive()
+    }
+}
+
+impl SaveQueue {
+    pub(crate) fn new(group: &Arc<SqliteGroup>) -> Arc<Self> {
+        let ready = Arc::new(Notify::new());
+        let queue = Arc::new(Self { pending: Mutex::new(VecDeque::new()), ready: Arc::clone(&ready) });
+        tokio::spawn(run(Arc::downgrade(group), Arc::downgrade(&queue), ready));
+        queue
+    }
+
+    /// Queues one save (`values` as `bind_all!` binds them) and returns
+    /// whether it took, once the commit that holds it succeeded.
+    pub(crate) async fn save(&self, values: Values) -> Result<bool, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.lock().push_back(Pending { values: values.0, reply });
+        self.ready.notify_one();
+        let closed = || StoreError::Unavailable("the store was closed before the save ran".into());
+        let (saved, committed) = answer.await.map_err(|_| closed())??;
+        committed.wait().await?;
+        Ok(saved)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pending>> {
+        // A panic elsewhere while holding it leaves the queue as it was.
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Drop for SaveQueue {
+    fn drop(&mut self) {
+        self.ready.notify_one();
+    }
+}
+
+/// Runs the queued saves, a batch per turn of the writer, until the store
+/// is gone. It holds neither the queue nor the group between batches. The
+/// batch is taken once the turn is: saves that queued while it waited
+/// (behind a commit, or another writer) go in with it.
+async fn run(group: Weak<SqliteGroup>, queue: Weak<SaveQueue>, ready: Arc<Notify>) {
+    loop {
+        ready.notified().await;
+        loop {
+            let Some(queue) = queue.upgrade() else { return };
+            if queue.lock().is_empty() {
+                break;
+            }
+            let Some(group) = group.upgrade() else {
+                for p in queue.lock().drain(..) {
+                    let _ = p.reply.send(Err(StoreError::Unavailable("the store was closed".into())));
+                }
+                return;
+            };
+            match group.turn().await {
+                Ok(turn) => {
+                    let batch: Vec<Pending> = {
+                        let mut pending = queue.lock();
+                        let n = pending.len().min(MAX_BATCH);
+                        pending.drain(..n).collect()
+                    };
+                    run_batch(turn, batch).await;
+                }
+                Err(e) => {
+                    for p in queue.lock().drain(..) {
+                        let _ = p.reply.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Runs `batch` in the writer's turn and tells each caller how its save
+/// went; those that took wait for the turn's commit.
+async fn run_batch(mut turn: Turn<'_>, batch: Vec<Pending>) {
+    turn.ran_writes(batch.len() as u64);
+    let rows: Vec<&[SaveValue]> = batch.iter().map(|p| p.values.as_slice()).collect();
+    let results: Vec<Result<bool, StoreError>> = match execute(turn.conn(), &rows).await {
+        Ok(saved) => saved.into_iter().map(Ok).collect(),
+        Err(e) if rows.len() == 1 => vec![Err(e)],
+        // The statement changed nothing: each save again on its own, so
+        // only the one that fails gets the error.
+        Err(_) => {
+            let mut each = Vec::with_capacity(rows.len());
+            for row in &rows {
+                each.push(execute(turn.conn(), std::slice::from_ref(row)).await.map(|s| s[0]));
+            }
+            each
+        }
+    };
+    let committed = turn.release();
+    for (p, result) in batch.into_iter().zip(results) {
+        let _ = p.reply.send(result.map(|saved| (saved, committed.clone())));
+    }
+}
+
+/// Runs `rows` as one statement: whether each took.
+async fn execute(conn: &mut sqlx::SqliteConnection, rows: &[&[SaveValue]]) -> Result<Vec<bool>, StoreError> {
+    let text = batch_text(rows.len());
+    let mut q = sqlx::query(text);
+    for (seq, row) in rows.iter().enumerate() {
+        for v in row.iter() {
+            q = match v {
+                SaveValue::Text(t) => q.bind(t.clone()),
+                SaveValue::Int(i) => q.bind(*i),
+            };
+        }
+        q = q.bind(seq as i64);
+    }
+    let padded = rows.len().next_power_of_two();
+    for _ in rows.len()..padded {
+        for _ in 0..COLUMNS.len() {
+            q = q.bind(None::<i64>);
+        }
+    }
+    let mut saved = vec![false; rows.len()];
+    for row in q.fetch_all(conn).await? {
+        // Padding rows come back too, without a place.
+        if let Some(seq) = row.try_get::<Option<i64>, _>("seq")?
+            && let Some(s) = usize::try_from(seq).ok().and_then(|i| saved.get_mut(i))
+        {
+            *s = true;
+        }
+    }
+    Ok(saved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::StoreConfig;
+    use crate::store::Store;
+    use crate::store::db::Backend;
+
+    async fn store() -> (tempfile::TempDir, Store, sqlx::SqlitePool) {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let config = StoreConfig {
+            url: format!("sqlite://{}", dir.path().join("s.db").display()),
+            sqlite_synchronous: "full".into(),
+            max_connections: 2,
+            busy_timeout_ms: 5000,
+        };
+        let store = Store::connect(&config).await.expect("opens");
+        store.migrate().await.expect("migrates");
+        let Backend::Sqlite(pool) = store.backend.clone() else { unreachable!("a SQLite URL") };
+        for (id, decision) in [("x", Some("dec-1")), ("a", None), ("b", None), ("c", None), ("d", None)] {
+            sqlx::query(
+                "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+                 decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, created_at, \
+                 updated_at) VALUES ($1, 't', $1, 'f', $1, 'i', 'e', 'confirm', '{}', '{}', 'pending', $2, $1, 9, 1, 1)",
+            )
+            .bind(id)
+            .bind(decision)
+            .execute(&pool)
+            .await
+            .expect("inserts");
+        }
+        (dir, store, pool)
+    }
+
+    /// A save of `id` from `version`, recording one call.
+    fn row(id: &str, version: i64, decision_id: Option<&str>) -> Vec<SaveValue> {
+        COLUMNS[..32]
+            .iter()
+            .map(|c| match *c {
+                "state" => SaveValue::Text(Some("pending".into())),
+                "decision_id" => SaveValue::Text(decision_id.map(str::to_string)),
+                "last_error" => SaveValue::Text(Some(format!("saved from {version}"))),
+                "consume_inflight" | "consume_attempts" | "delivery_inflight" | "attempts" => {
+                    SaveValue::Int(Some(0))
+                }
+                "updated_at" => SaveValue::Int(Some(2)),
+                "id" => SaveValue::Text(Some(id.into())),
+                "tenant" => SaveValue::Text(Some("t".into())),
+                "version" => SaveValue::Int(Some(version)),
+                "calls" => SaveValue::Text(Some(format!(
+                    r#"[{{"operation_id":"{id}","call":"create_decision","started_at":1,"duration_ms":1}}]"#
+                ))),
+                _ => SaveValue::Text(None),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn parameters_become_the_new_rows_columns_and_json_paths_stay() {
+        assert_eq!(
+            with_new_columns("s = $1 AND j = '$.from' AND n = $32 AND k = $19"),
+            "s = NEW.state AND j = '$.from' AND n = NEW.inbox_note AND k = NEW.id"
+        );
+    }
+
+    // Five saves in one statement (padded to eight rows): two that take,
+    // one that breaks the unique decision id, one from a version already
+    // moved (by the first, in the same batch), one more that takes. The
+    // failing one gets the error and leaves nothing; the stale one is told
+    // so and keeps its call record; the rest commit.
+    #[tokio::test]
+    async fn a_batch_of_saves_isolates_the_one_that_fails() {
+        let (_dir, store, pool) = store().await;
+        let group = store.sqlite_group.clone().expect("a SQLite store has a write group");
+        let mut answers = Vec::new();
+        let mut batch = Vec::new();
+        for values in [
+            row("a", 0, None),
+            row("b", 0, Some("dec-1")),
+            row("c", 0, None),
+            row("a", 0, None),
+            row("d", 0, None),
+        ] {
+            let (reply, answer) = oneshot::channel();
+            batch.push(Pending { values, reply });
+            answers.push(answer);
+        }
+        run_batch(group.turn().await.expect("a turn"), batch).await;
+        let mut outcomes = Vec::new();
+        for answer in answers {
+            outcomes.push(match answer.await.expect("answered") {
+                Ok((saved, committed)) => {
+                    committed.wait().await.expect("committed");
+                    Ok(saved)
+                }
+                Err(e) => Err(e.to_string()),
+            });
+        }
+        assert_eq!(outcomes[0], Ok(true));
+        assert!(outcomes[1].as_ref().is_err_and(|e| e.contains("UNIQUE")), "{:?}", outcomes[1]);
+        assert_eq!(
+            (outcomes[2].clone(), outcomes[3].clone(), outcomes[4].clone()),
+            (Ok(true), Ok(false), Ok(true))
+        );
+        let rows: Vec<(String, i64, Option<String>)> =
+            sqlx::query_as("SELECT id, version, last_error FROM operations WHERE id <> 'x' ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .expect("reads");
+        let saved = Some("saved from 0".to_string());
+        assert_eq!(
+            rows,
+            vec![
+                ("a".into(), 1, saved.clone()),
+                ("b".into(), 0, None),
+                ("c".into(), 1, saved.clone()),
+                ("d".into(), 1, saved)
+            ]
+        );
+        let calls: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT operation_id, count(*) FROM pushary_calls GROUP BY operation_id ORDER BY 1",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("reads");
+        assert_eq!(calls, vec![("a".into(), 2), ("c".into(), 1), ("d".into(), 1)]);
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM approvald_save").fetch_one(&pool).await.expect("reads");
+        assert_eq!(left, 0, "the save table stays empty");
+    }
+
+    // Through the queue: saves from many tasks at once all land, each once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queued_saves_from_many_callers_each_take_once() {
+        let (_dir, store, pool) = store().await;
+        let queue = store.sqlite_saves.clone().expect("a SQLite store has a save queue");
+        let mut callers = tokio::task::JoinSet::new();
+        for id in ["a", "b", "c", "d"] {
+            for _ in 0..3 {
+                let queue = Arc::clone(&queue);
+                callers
+                    .spawn(async move { (id, queue.save(Values(row(id, 0, None))).await.expect("saves")) });
+            }
+        }
+        let mut won: Vec<&str> =
+            callers.join_all().await.into_iter().filter(|(_, saved)| *saved).map(|(id, _)| id).collect();
+        won.sort_unstable();
+        assert_eq!(won, vec!["a", "b", "c", "d"], "exactly one of each operation's three saves takes");
+        let versions: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM operations WHERE id <> 'x' ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .expect("reads");
+        assert_eq!(versions, vec![1, 1, 1, 1]);
+    }
+}
