@@ -379,12 +379,6 @@ impl Store {
             let pool = SqlitePoolOptions::new()
                 .max_connections(config.max_connections)
                 .acquire_timeout(Duration::from_secs(10))
-                // Any connection may be the next group commit's.
-                .after_connect(|conn, _| {
-                    Box::pin(async move {
-                        sqlx::raw_sql(super::save::sqlite_save_setup()).execute(conn).await.map(|_| ())
-                    })
-                })
                 .connect_with(options)
                 .await?;
             Backend::Sqlite(pool)

@@ -6,10 +6,11 @@
 //! gets the fewest round trips it allows (docs/decisions.md §15): on
 //! PostgreSQL one statement of data-modifying CTEs, committed on its own
 //! (no BEGIN/COMMIT round trips); on SQLite one statement, whose trigger
-//! does the work, inside the group commit's turn (each result sqlx hands
-//! back from its connection thread can be a thread wake-up that every
-//! other writer waits behind). Rows of any number go in as one JSON array
-//! parameter, so each engine has one fixed statement text, prepared once.
+//! does the work, for every save queued by then (save/sqlite.rs: each
+//! statement is a hand-off to sqlx's connection thread and back, which
+//! every other writer waits behind). Rows of any number go in as one JSON
+//! array parameter, so the statement texts are few and fixed, each
+//! prepared once per connection.
 
 use serde_json::{Value, json};
 use sqlx::Row as _;
@@ -68,7 +69,7 @@ macro_rules! release_next_answer {
 }
 
 mod sqlite;
-pub(super) use sqlite::{SaveQueue, sqlite_save_setup};
+pub(super) use sqlite::SaveQueue;
 
 /// PostgreSQL: everything in one statement, so one round trip and one
 /// implicit transaction. Sub-statements share one snapshot, which is why

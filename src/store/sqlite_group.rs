@@ -3,7 +3,8 @@
 //! SQLite admits one writer and a durable commit costs an fsync, so a
 //! process that commits each write on its own can do no more writes per
 //! second than the disk does fsyncs, however many workers it runs. Here
-//! every write of the process runs, in arrival order, inside one open
+//! every write of the process runs, in the order it takes its turn (saves
+//! in the order they queued: they take turns in batches), inside one open
 //! transaction on one connection (each write that opens a transaction gets
 //! a SAVEPOINT, so its own failure rolls back only its own statements); a
 //! committer task commits whatever has run since the last commit, and each
@@ -156,6 +157,16 @@ impl Turn<'_> {
         committed
     }
 
+    /// Gives up the open transaction (rolled back as it is dropped): every
+    /// writer in it, this turn's and those waiting for its commit, gets
+    /// `reason`. For a turn whose writes may have been half kept.
+    pub(crate) fn abandon(mut self, reason: &str) {
+        self.guard.tx = None;
+        self.guard.turns = 0;
+        let next = watch::channel(None).0;
+        std::mem::replace(&mut self.guard.outcome, next).send_replace(Some(Err(reason.to_string())));
+    }
+
     /// The turn ran `n` callers' writes, not one: `/metrics` counts writes.
     pub(crate) fn ran_writes(&mut self, n: u64) {
         self.extra_writes = n.saturating_sub(1);
@@ -254,6 +265,24 @@ mod tests {
 
     async fn values(pool: &SqlitePool) -> Vec<i64> {
         sqlx::query_scalar("SELECT v FROM t ORDER BY v").fetch_all(pool).await.expect("reads")
+    }
+
+    // An abandoned transaction takes every write in it down, the earlier
+    // writers' too, and the next writer starts a new one.
+    #[tokio::test]
+    async fn an_abandoned_turn_fails_every_write_of_its_transaction() {
+        let (_dir, pool, group) = group().await;
+        let mut first = group.turn().await.expect("a turn");
+        sqlx::query("INSERT INTO t VALUES (1)").execute(&mut *first.conn()).await.expect("runs");
+        let committed = first.release();
+        let mut second = group.turn().await.expect("a turn, before the commit");
+        sqlx::query("INSERT INTO t VALUES (2)").execute(&mut *second.conn()).await.expect("runs");
+        second.abandon("broken");
+        assert!(committed.wait().await.is_err_and(|e| e.to_string().contains("broken")));
+        let mut third = group.turn().await.expect("a turn");
+        let r = sqlx::query("INSERT INTO t VALUES (3)").execute(&mut *third.conn()).await.map(|_| ());
+        third.finish(r.map_err(StoreError::from)).await.expect("commits");
+        assert_eq!(values(&pool).await, vec![3]);
     }
 
     // What `/metrics` reports of the writer: every turn is a write, every

@@ -95,12 +95,13 @@ const SAVE_STEPS: &str = concat!(
      UPDATE inbox SET state = $31, note = $32, operation_id = $19, processed_at = $18 WHERE id = $29;"
 );
 
-/// Creates the save's table and triggers on a new SQLite connection (any
-/// connection may be the next group commit's). They are TEMP: each
-/// connection has its own, gone with it, so a new version of approvald
-/// never finds an old one. Rows padding a batch to its statement's size
-/// have no id and do nothing; the second trigger keeps the table empty.
-pub(crate) fn sqlite_save_setup() -> &'static str {
+/// Creates the save's table and triggers on the connection, if it has
+/// none yet (any connection may be the next group commit's). They are
+/// TEMP: each connection has its own, gone with it, so a new version of
+/// approvald never finds an old one. Rows padding a batch to its
+/// statement's size have no id and do nothing; the second trigger keeps
+/// the table empty.
+fn setup() -> &'static str {
     static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     TEXT.get_or_init(|| {
         format!(
@@ -138,14 +139,19 @@ fn with_new_columns(sql: &str) -> String {
 
 /// The batch statement for `rows` rows (a power of two up to
 /// `MAX_BATCH`), built once: a handful of texts, each prepared once per
-/// connection.
+/// connection. It starts with the setup (`IF NOT EXISTS`, so a no-op but
+/// once per connection): the TEMP trigger is made by the writer as it
+/// first saves, not when a connection opens, because SQLite checks TEMP
+/// triggers in `ALTER TABLE … RENAME` and `DROP COLUMN`, and a migration
+/// run on a connection holding one that names a table not yet there
+/// would fail.
 fn batch_text(rows: usize) -> &'static str {
     const SIZES: usize = MAX_BATCH.ilog2() as usize + 1;
     static TEXTS: [std::sync::OnceLock<String>; SIZES] = [const { std::sync::OnceLock::new() }; SIZES];
     let rows = rows.clamp(1, MAX_BATCH).next_power_of_two();
     TEXTS[rows.trailing_zeros() as usize].get_or_init(|| {
         let row = format!("({})", vec!["?"; COLUMNS.len()].join(", "));
-        format!("INSERT INTO approvald_save VALUES {} RETURNING seq", vec![row; rows].join(", "))
+        format!("{} INSERT INTO approvald_save VALUES {} RETURNING seq", setup(), vec![row; rows].join(", "))
     })
 }
 
@@ -215,8 +221,16 @@ struct Pending {
 
 /// The saves waiting for the writer, and the task that runs them.
 pub(crate) struct SaveQueue {
-    pending: Mutex<VecDeque<Pending>>,
+    pending: Mutex<Waiting>,
     ready: Arc<Notify>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    saves: VecDeque<Pending>,
+    /// The runner is gone (it returned or panicked): a save queued now
+    /// would wait forever, so it is refused.
+    closed: bool,
 }
 
 impl std::fmt::Debug for SaveQueue {
@@ -228,7 +242,7 @@ impl std::fmt::Debug for SaveQueue {
 impl SaveQueue {
     pub(crate) fn new(group: &Arc<SqliteGroup>) -> Arc<Self> {
         let ready = Arc::new(Notify::new());
-        let queue = Arc::new(Self { pending: Mutex::new(VecDeque::new()), ready: Arc::clone(&ready) });
+        let queue = Arc::new(Self { pending: Mutex::new(Waiting::default()), ready: Arc::clone(&ready) });
         tokio::spawn(run(Arc::downgrade(group), Arc::downgrade(&queue), ready));
         queue
     }
@@ -237,17 +251,41 @@ impl SaveQueue {
     /// whether it took, once the commit that holds it succeeded.
     pub(crate) async fn save(&self, values: Values) -> Result<bool, StoreError> {
         let (reply, answer) = oneshot::channel();
-        self.lock().push_back(Pending { values: values.0, reply });
+        {
+            let mut waiting = self.lock();
+            if waiting.closed {
+                return Err(closed());
+            }
+            waiting.saves.push_back(Pending { values: values.0, reply });
+        }
         self.ready.notify_one();
-        let closed = || StoreError::Unavailable("the store was closed before the save ran".into());
         let (saved, committed) = answer.await.map_err(|_| closed())??;
         committed.wait().await?;
         Ok(saved)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Pending>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
         // A panic elsewhere while holding it leaves the queue as it was.
         self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+fn closed() -> StoreError {
+    StoreError::Unavailable("the store was closed before the save ran".into())
+}
+
+/// Closes the queue when the runner ends, however it ends, and refuses
+/// what waits in it.
+struct CloseOnDrop(Weak<SaveQueue>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        let Some(queue) = self.0.upgrade() else { return };
+        let mut waiting = queue.lock();
+        waiting.closed = true;
+        for p in waiting.saves.drain(..) {
+            let _ = p.reply.send(Err(closed()));
+        }
     }
 }
 
@@ -262,30 +300,26 @@ impl Drop for SaveQueue {
 /// batch is taken once the turn is: saves that queued while it waited
 /// (behind a commit, or another writer) go in with it.
 async fn run(group: Weak<SqliteGroup>, queue: Weak<SaveQueue>, ready: Arc<Notify>) {
+    let _close = CloseOnDrop(queue.clone());
     loop {
         ready.notified().await;
         loop {
             let Some(queue) = queue.upgrade() else { return };
-            if queue.lock().is_empty() {
+            if queue.lock().saves.is_empty() {
                 break;
             }
-            let Some(group) = group.upgrade() else {
-                for p in queue.lock().drain(..) {
-                    let _ = p.reply.send(Err(StoreError::Unavailable("the store was closed".into())));
-                }
-                return;
-            };
+            let Some(group) = group.upgrade() else { return };
             match group.turn().await {
                 Ok(turn) => {
                     let batch: Vec<Pending> = {
-                        let mut pending = queue.lock();
-                        let n = pending.len().min(MAX_BATCH);
-                        pending.drain(..n).collect()
+                        let mut waiting = queue.lock();
+                        let n = waiting.saves.len().min(MAX_BATCH);
+                        waiting.saves.drain(..n).collect()
                     };
                     run_batch(turn, batch).await;
                 }
                 Err(e) => {
-                    for p in queue.lock().drain(..) {
+                    for p in queue.lock().saves.drain(..) {
                         let _ = p.reply.send(Err(e.clone()));
                     }
                 }
@@ -294,32 +328,86 @@ async fn run(group: Weak<SqliteGroup>, queue: Weak<SaveQueue>, ready: Arc<Notify
     }
 }
 
+/// How a batch statement failed.
+enum Failed {
+    /// SQLite undid the statement and kept the transaction: the saves
+    /// may run again, one by one.
+    Statement(StoreError),
+    /// The transaction may be gone (SQLite rolls it back on a full disk,
+    /// an I/O error, `SQLITE_BUSY` or no memory), or the statement's
+    /// changes stand but its answer was lost: nothing of the open group
+    /// transaction may be committed.
+    Transaction(StoreError),
+}
+
+impl From<sqlx::Error> for Failed {
+    fn from(e: sqlx::Error) -> Self {
+        // SQLite's primary result codes (the low byte of the extended one).
+        const ROLLS_BACK: [i64; 6] = [
+            5,  /* BUSY */
+            7,  /* NOMEM */
+            9,  /* INTERRUPT */
+            10, /* IOERR */
+            11, /* CORRUPT */
+            13, /* FULL */
+        ];
+        let statement_only = match &e {
+            sqlx::Error::Database(db) => db
+                .code()
+                .and_then(|c| c.parse::<i64>().ok())
+                .is_some_and(|code| !ROLLS_BACK.contains(&(code & 0xff))),
+            _ => false,
+        };
+        if statement_only { Failed::Statement(e.into()) } else { Failed::Transaction(e.into()) }
+    }
+}
+
 /// Runs `batch` in the writer's turn and tells each caller how its save
 /// went; those that took wait for the turn's commit.
 async fn run_batch(mut turn: Turn<'_>, batch: Vec<Pending>) {
     turn.ran_writes(batch.len() as u64);
     let rows: Vec<&[SaveValue]> = batch.iter().map(|p| p.values.as_slice()).collect();
-    let results: Vec<Result<bool, StoreError>> = match execute(turn.conn(), &rows).await {
-        Ok(saved) => saved.into_iter().map(Ok).collect(),
-        Err(e) if rows.len() == 1 => vec![Err(e)],
+    let results: Result<Vec<Result<bool, StoreError>>, StoreError> = match execute(turn.conn(), &rows).await {
+        Ok(saved) => Ok(saved.into_iter().map(Ok).collect()),
+        Err(Failed::Statement(e)) if rows.len() == 1 => Ok(vec![Err(e)]),
         // The statement changed nothing: each save again on its own, so
         // only the one that fails gets the error.
-        Err(_) => {
+        Err(Failed::Statement(_)) => {
             let mut each = Vec::with_capacity(rows.len());
+            let mut lost = None;
             for row in &rows {
-                each.push(execute(turn.conn(), std::slice::from_ref(row)).await.map(|s| s[0]));
+                match execute(turn.conn(), std::slice::from_ref(row)).await {
+                    Ok(saved) => each.push(Ok(saved[0])),
+                    Err(Failed::Statement(e)) => each.push(Err(e)),
+                    Err(Failed::Transaction(e)) => {
+                        lost = Some(e);
+                        break;
+                    }
+                }
             }
-            each
+            lost.map_or(Ok(each), Err)
         }
+        Err(Failed::Transaction(e)) => Err(e),
     };
-    let committed = turn.release();
-    for (p, result) in batch.into_iter().zip(results) {
-        let _ = p.reply.send(result.map(|saved| (saved, committed.clone())));
+    match results {
+        Ok(results) => {
+            let committed = turn.release();
+            for (p, result) in batch.into_iter().zip(results) {
+                let _ = p.reply.send(result.map(|saved| (saved, committed.clone())));
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "abandoning the open SQLite group transaction after a failed save batch");
+            turn.abandon(&format!("a save batch failed: {e}"));
+            for p in batch {
+                let _ = p.reply.send(Err(e.clone()));
+            }
+        }
     }
 }
 
 /// Runs `rows` as one statement: whether each took.
-async fn execute(conn: &mut sqlx::SqliteConnection, rows: &[&[SaveValue]]) -> Result<Vec<bool>, StoreError> {
+async fn execute(conn: &mut sqlx::SqliteConnection, rows: &[&[SaveValue]]) -> Result<Vec<bool>, Failed> {
     let text = batch_text(rows.len());
     let mut q = sqlx::query(text);
     for (seq, row) in rows.iter().enumerate() {
@@ -337,12 +425,13 @@ async fn execute(conn: &mut sqlx::SqliteConnection, rows: &[&[SaveValue]]) -> Re
             q = q.bind(None::<i64>);
         }
     }
+    let returned = q.fetch_all(conn).await?;
     let mut saved = vec![false; rows.len()];
-    for row in q.fetch_all(conn).await? {
-        // Padding rows come back too, without a place.
-        if let Some(seq) = row.try_get::<Option<i64>, _>("seq")?
-            && let Some(s) = usize::try_from(seq).ok().and_then(|i| saved.get_mut(i))
-        {
+    for row in returned {
+        // Padding rows come back too, without a place. A row that cannot
+        // be read leaves the saves done but their answer unknown.
+        let seq = row.try_get::<Option<i64>, _>("seq").map_err(|e| Failed::Transaction(e.into()))?;
+        if let Some(s) = seq.and_then(|i| usize::try_from(i).ok()).and_then(|i| saved.get_mut(i)) {
             *s = true;
         }
     }
@@ -414,10 +503,10 @@ mod tests {
     }
 
     // Five saves in one statement (padded to eight rows): two that take,
-    // one that breaks the unique decision id, one from a version already
-    // moved (by the first, in the same batch), one more that takes. The
-    // failing one gets the error and leaves nothing; the stale one is told
-    // so and keeps its call record; the rest commit.
+    // one that breaks the unique decision id, one from a version the first
+    // moved, one more that takes. The statement fails and the saves run
+    // again one by one: the failing one gets the error and leaves nothing;
+    // the stale one is told so and keeps its call record; the rest commit.
     #[tokio::test]
     async fn a_batch_of_saves_isolates_the_one_that_fails() {
         let (_dir, store, pool) = store().await;
@@ -474,9 +563,33 @@ mod tests {
         .await
         .expect("reads");
         assert_eq!(calls, vec![("a".into(), 2), ("c".into(), 1), ("d".into(), 1)]);
-        let left: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM approvald_save").fetch_one(&pool).await.expect("reads");
+    }
+
+    // Within one statement (three rows, padded to four), a save from a
+    // version an earlier row moved is dropped alone; the rows after it run.
+    #[tokio::test]
+    async fn a_stale_save_in_a_batch_is_dropped_alone() {
+        let (_dir, store, pool) = store().await;
+        let group = store.sqlite_group.clone().expect("a SQLite store has a write group");
+        let rows = [row("a", 0, None), row("a", 0, None), row("c", 0, None)];
+        let mut turn = group.turn().await.expect("a turn");
+        let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
+        let saved = execute(turn.conn(), &refs).await.map_err(|_| "the batch failed").expect("runs");
+        // Read on the connection that ran it: the table is TEMP.
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM approvald_save")
+            .fetch_one(&mut *turn.conn())
+            .await
+            .expect("reads");
         assert_eq!(left, 0, "the save table stays empty");
+        turn.release().wait().await.expect("commits");
+        assert_eq!(saved, vec![true, false, true]);
+        let calls: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT operation_id, count(*) FROM pushary_calls GROUP BY operation_id ORDER BY 1",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("reads");
+        assert_eq!(calls, vec![("a".into(), 2), ("c".into(), 1)], "the stale save's call is recorded");
     }
 
     // Through the queue: saves from many tasks at once all land, each once.
