@@ -83,7 +83,8 @@ pub(crate) struct Turn<'a> {
     kick: &'a Notify,
     busy: &'a Counters,
     held: std::time::Instant,
-    extra_writes: u64,
+    /// The callers' writes it ran, for `/metrics`: one, or a batch's.
+    writes: u64,
 }
 
 impl SqliteGroup {
@@ -118,7 +119,7 @@ impl SqliteGroup {
             guard.tx = Some(self.pool.begin_with("BEGIN IMMEDIATE").await?);
         }
         guard.turns += 1;
-        Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held, extra_writes: 0 })
+        Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held, writes: 1 })
     }
 
     pub(crate) fn busy(&self) -> WriterBusy {
@@ -169,7 +170,7 @@ impl Turn<'_> {
 
     /// The turn ran `n` callers' writes, not one: `/metrics` counts writes.
     pub(crate) fn ran_writes(&mut self, n: u64) {
-        self.extra_writes = n.saturating_sub(1);
+        self.writes = n;
     }
 }
 
@@ -198,7 +199,7 @@ impl Drop for Turn<'_> {
         let held = self.held.elapsed().as_micros() as u64;
         self.guard.hold_us += held;
         self.busy.writing_us.fetch_add(held, Ordering::Relaxed);
-        self.busy.writes.fetch_add(1 + self.extra_writes, Ordering::Relaxed);
+        self.busy.writes.fetch_add(self.writes, Ordering::Relaxed);
         self.kick.notify_one();
     }
 }

@@ -156,10 +156,11 @@ fn batch_text(rows: usize) -> &'static str {
 }
 
 /// A value of a save's row, owned: it is bound by the task that runs the
-/// batch, after its caller has moved on to waiting.
+/// batch, after its caller has moved on to waiting. Text is shared, so
+/// binding it (again, if the batch is re-run save by save) copies nothing.
 #[derive(Debug)]
 pub(crate) enum SaveValue {
-    Text(Option<String>),
+    Text(Option<Arc<str>>),
     Int(Option<i64>),
 }
 
@@ -176,22 +177,22 @@ impl Values {
 
 impl From<&str> for SaveValue {
     fn from(v: &str) -> Self {
-        SaveValue::Text(Some(v.to_string()))
+        SaveValue::Text(Some(v.into()))
     }
 }
 impl From<&String> for SaveValue {
     fn from(v: &String) -> Self {
-        SaveValue::Text(Some(v.clone()))
+        SaveValue::Text(Some(v.as_str().into()))
     }
 }
 impl From<&Option<String>> for SaveValue {
     fn from(v: &Option<String>) -> Self {
-        SaveValue::Text(v.clone())
+        SaveValue::Text(v.as_deref().map(Arc::from))
     }
 }
 impl From<Option<&str>> for SaveValue {
     fn from(v: Option<&str>) -> Self {
-        SaveValue::Text(v.map(str::to_string))
+        SaveValue::Text(v.map(Arc::from))
     }
 }
 impl From<i64> for SaveValue {
@@ -475,10 +476,11 @@ mod tests {
     fn row(id: &str, version: i64, decision_id: Option<&str>) -> Vec<SaveValue> {
         COLUMNS[..32]
             .iter()
-            .map(|c| match *c {
+            .map(|c| {
+                match *c {
                 "state" => SaveValue::Text(Some("pending".into())),
-                "decision_id" => SaveValue::Text(decision_id.map(str::to_string)),
-                "last_error" => SaveValue::Text(Some(format!("saved from {version}"))),
+                "decision_id" => SaveValue::Text(decision_id.map(Arc::from)),
+                "last_error" => SaveValue::Text(Some(format!("saved from {version}").into())),
                 "consume_inflight" | "consume_attempts" | "delivery_inflight" | "attempts" => {
                     SaveValue::Int(Some(0))
                 }
@@ -488,8 +490,9 @@ mod tests {
                 "version" => SaveValue::Int(Some(version)),
                 "calls" => SaveValue::Text(Some(format!(
                     r#"[{{"operation_id":"{id}","call":"create_decision","started_at":1,"duration_ms":1}}]"#
-                ))),
+                ).into())),
                 _ => SaveValue::Text(None),
+            }
             })
             .collect()
     }
