@@ -502,6 +502,9 @@ impl Store {
     }
 
     pub async fn close(&self) {
+        if let Some(group) = &self.sqlite_group {
+            group.close().await;
+        }
         match &self.backend {
             Backend::Sqlite(p) => p.close().await,
             Backend::Postgres(p) => p.close().await,

@@ -21,7 +21,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use sqlx::{Sqlite, SqliteConnection, SqlitePool, Transaction};
+use sqlx::{Connection, Database, Sqlite, SqliteConnection, SqlitePool};
+use sqlx_core::transaction::TransactionManager;
 use tokio::sync::{Mutex, MutexGuard, Notify, watch};
 
 use super::StoreError;
@@ -60,9 +61,24 @@ pub struct WriterBusy {
     pub commits: u64,
 }
 
+/// Begins, commits and rolls back the writer's transaction on its own
+/// connection, keeping sqlx's count of open transactions, so a write's
+/// `begin()` inside it makes a SAVEPOINT.
+type Tm = <Sqlite as Database>::TransactionManager;
+
 #[derive(Debug)]
 struct State {
-    tx: Option<Transaction<'static, Sqlite>>,
+    /// The writer's own connection, taken out of the pool: every write of
+    /// the process runs on it. A pool hands out its connections in turn,
+    /// and a SQLite connection drops its whole page cache when another
+    /// connection has written since its last transaction, so a writer
+    /// that moved between connections began each transaction cold,
+    /// reading its index pages from the OS again (docs/performance.md).
+    /// Replaced after a failed commit or an abandoned transaction, when
+    /// what SQLite has open on it is not known.
+    conn: Option<SqliteConnection>,
+    /// The open transaction's on `conn`.
+    open: bool,
     /// Turns taken in the open transaction.
     turns: u32,
     /// For the trace line of each commit (`RUST_LOG=approvald::store=trace`):
@@ -93,7 +109,8 @@ impl SqliteGroup {
         let group = Arc::new(Self {
             pool,
             state: Mutex::new(State {
-                tx: None,
+                conn: None,
+                open: false,
                 turns: 0,
                 wait_us: 0,
                 hold_us: 0,
@@ -115,8 +132,16 @@ impl SqliteGroup {
         // The writer is taken from here: opening the transaction is part of its work.
         let held = std::time::Instant::now();
         guard.wait_us += asked.elapsed().as_micros() as u64;
-        if guard.tx.is_none() {
-            guard.tx = Some(self.pool.begin_with("BEGIN IMMEDIATE").await?);
+        if !guard.open {
+            if guard.conn.is_none() {
+                guard.conn = Some(self.pool.acquire().await?.detach());
+            }
+            let conn = guard.conn.as_mut().expect("just opened");
+            if let Err(e) = Tm::begin(conn, Some(sqlx::SqlSafeStr::into_sql_str("BEGIN IMMEDIATE"))).await {
+                guard.conn = None;
+                return Err(e.into());
+            }
+            guard.open = true;
         }
         guard.turns += 1;
         Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held, writes: 1 })
@@ -135,7 +160,7 @@ impl SqliteGroup {
 
 impl Turn<'_> {
     pub(crate) fn conn(&mut self) -> &mut SqliteConnection {
-        self.guard.tx.as_mut().expect("a turn always has the transaction open")
+        self.guard.conn.as_mut().expect("a turn always has the transaction open")
     }
 
     /// Ends the turn. A writer that succeeded waits for the commit that
@@ -162,7 +187,9 @@ impl Turn<'_> {
     /// writer in it, this turn's and those waiting for its commit, gets
     /// `reason`. For a turn whose writes may have been half kept.
     pub(crate) fn abandon(mut self, reason: &str) {
-        self.guard.tx = None;
+        // Dropped, the connection closes and SQLite rolls back what it has open.
+        self.guard.conn = None;
+        self.guard.open = false;
         self.guard.turns = 0;
         let next = watch::channel(None).0;
         std::mem::replace(&mut self.guard.outcome, next).send_replace(Some(Err(reason.to_string())));
@@ -218,12 +245,26 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
         kick.notified().await;
         let Some(group) = group.upgrade() else { return };
         let mut state = group.state.lock().await;
-        let Some(tx) = state.tx.take() else { continue };
+        group.commit(&mut state).await;
+    }
+}
+
+impl SqliteGroup {
+    /// Commits the open transaction, if any, and tells its writers.
+    async fn commit(&self, state: &mut State) {
+        if !state.open {
+            return;
+        }
+        state.open = false;
         let started = std::time::Instant::now();
-        let result = tx.commit().await.map_err(|e| e.to_string());
+        let conn = state.conn.as_mut().expect("an open transaction has its connection");
+        let result = Tm::commit(conn).await.map_err(|e| e.to_string());
+        if result.is_err() {
+            state.conn = None;
+        }
         let commit_us = started.elapsed().as_micros() as u64;
-        group.busy.committing_us.fetch_add(commit_us, Ordering::Relaxed);
-        group.busy.commits.fetch_add(1, Ordering::Relaxed);
+        self.busy.committing_us.fetch_add(commit_us, Ordering::Relaxed);
+        self.busy.commits.fetch_add(1, Ordering::Relaxed);
         let cycle_us = state.last_commit.map_or(0, |l| l.elapsed().as_micros());
         state.last_commit = Some(std::time::Instant::now());
         tracing::trace!(
@@ -243,6 +284,16 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
         let next = watch::channel(None).0;
         let done = std::mem::replace(&mut state.outcome, next);
         done.send_replace(Some(result));
+    }
+
+    /// Commits what is open and closes the writer's connection, for a
+    /// store being closed. A later write opens a new one.
+    pub(crate) async fn close(&self) {
+        let mut state = self.state.lock().await;
+        self.commit(&mut state).await;
+        if let Some(conn) = state.conn.take() {
+            let _ = conn.close().await;
+        }
     }
 }
 
@@ -284,6 +335,37 @@ mod tests {
         let r = sqlx::query("INSERT INTO t VALUES (3)").execute(&mut *third.conn()).await.map(|_| ());
         third.finish(r.map_err(StoreError::from)).await.expect("commits");
         assert_eq!(values(&pool).await, vec![3]);
+    }
+
+    async fn write(group: &SqliteGroup, sql: &'static str) -> Result<(), StoreError> {
+        let mut turn = group.turn().await?;
+        let r = sqlx::query(sql).execute(&mut *turn.conn()).await.map(|_| ());
+        turn.finish(r.map_err(StoreError::from)).await
+    }
+
+    // Every write runs on the writer's one connection, commit after
+    // commit (a TEMP table lives on the connection that made it); after
+    // an abandoned transaction, on a new one.
+    #[tokio::test]
+    async fn the_writer_keeps_its_connection_until_a_transaction_is_abandoned() {
+        let (_dir, pool, group) = group().await;
+        write(&group, "CREATE TEMP TABLE mine (v INTEGER)").await.expect("commits");
+        for _ in 0..3 {
+            write(&group, "INSERT INTO temp.mine VALUES (1)").await.expect("the same connection");
+        }
+        group.turn().await.expect("a turn").abandon("broken");
+        let err = write(&group, "INSERT INTO temp.mine VALUES (1)").await.expect_err("a new connection");
+        assert!(err.to_string().contains("no such table"), "{err}");
+        write(&group, "INSERT INTO t VALUES (7)").await.expect("commits");
+        assert_eq!(values(&pool).await, vec![7]);
+        // Closing commits what is open; a later write opens a connection again.
+        let mut turn = group.turn().await.expect("a turn");
+        sqlx::query("INSERT INTO t VALUES (8)").execute(&mut *turn.conn()).await.expect("runs");
+        let committed = turn.release();
+        group.close().await;
+        committed.wait().await.expect("committed by close");
+        write(&group, "INSERT INTO t VALUES (9)").await.expect("commits after close");
+        assert_eq!(values(&pool).await, vec![7, 8, 9]);
     }
 
     // What `/metrics` reports of the writer: every turn is a write, every
