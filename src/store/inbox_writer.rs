@@ -46,10 +46,11 @@ impl InboxWriter {
         let (tx, rx) = mpsc::channel::<Job>(MAX_BATCH * 4);
         let rx = Arc::new(Mutex::new(rx));
         let on_stored = Arc::new(on_stored);
-        let writers = if store.is_postgres() { 4 } else { 1 };
+        let pg = store.is_postgres();
+        let writers = if pg { 4 } else { 1 };
         for _ in 0..writers {
             let (store, rx, on_stored) = (store.clone(), Arc::clone(&rx), Arc::clone(&on_stored));
-            tokio::spawn(async move {
+            let task = async move {
                 let mut jobs = Vec::with_capacity(MAX_BATCH);
                 loop {
                     {
@@ -96,7 +97,12 @@ impl InboxWriter {
                         }
                     }
                 }
-            });
+            };
+            if pg {
+                tokio::spawn(task);
+            } else {
+                super::sqlite_group::spawn(task);
+            }
         }
         Self { tx }
     }

@@ -120,7 +120,7 @@ impl SqliteGroup {
             kick: Arc::clone(&kick),
             busy: Counters::default(),
         });
-        tokio::spawn(committer(Arc::downgrade(&group), kick));
+        spawn(committer(Arc::downgrade(&group), kick));
         group
     }
 
@@ -235,6 +235,35 @@ impl Drop for SqliteGroup {
     fn drop(&mut self) {
         self.kick.notify_one();
     }
+}
+
+/// Runs a task of SQLite's writer (the committer, the batched saves, the
+/// inbox writer) on a thread of its own, one per process, not among the
+/// request handlers. Each statement the writer runs is two hand-offs
+/// between its task and its connection's thread; on the shared runtime
+/// the task, woken, waited behind every handler queued on the two cores
+/// (hundreds of microseconds under load, per statement, with the one
+/// writer held), where here it runs when its thread is woken
+/// (docs/performance.md). Tasks end with their store, and the thread then
+/// sleeps, taking nothing.
+pub(crate) fn spawn<F>(task: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    static WRITER: std::sync::OnceLock<tokio::runtime::Handle> = std::sync::OnceLock::new();
+    let handle = WRITER.get_or_init(|| {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime for the SQLite writer");
+        let handle = runtime.handle().clone();
+        std::thread::Builder::new()
+            .name("sqlite-writer".into())
+            .spawn(move || runtime.block_on(std::future::pending::<()>()))
+            .expect("a thread for the SQLite writer");
+        handle
+    });
+    handle.spawn(task);
 }
 
 /// Commits the open transaction each time a writer has run. Its turn on
@@ -366,6 +395,18 @@ mod tests {
         committed.wait().await.expect("committed by close");
         write(&group, "INSERT INTO t VALUES (9)").await.expect("commits after close");
         assert_eq!(values(&pool).await, vec![7, 8, 9]);
+    }
+
+    // The writer's tasks run on its own thread, whichever runtime
+    // started them, so they never queue behind request handlers.
+    #[tokio::test]
+    async fn the_writer_tasks_run_on_a_thread_of_their_own() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        spawn(async move {
+            let _ = tx.send(std::thread::current().name().map(str::to_string));
+        });
+        let name = tokio::time::timeout(Duration::from_secs(10), rx).await.expect("runs").expect("answers");
+        assert_eq!(name.as_deref(), Some("sqlite-writer"));
     }
 
     // What `/metrics` reports of the writer: every turn is a write, every

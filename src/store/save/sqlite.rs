@@ -244,7 +244,7 @@ impl SaveQueue {
     pub(crate) fn new(group: &Arc<SqliteGroup>) -> Arc<Self> {
         let ready = Arc::new(Notify::new());
         let queue = Arc::new(Self { pending: Mutex::new(Waiting::default()), ready: Arc::clone(&ready) });
-        tokio::spawn(run(Arc::downgrade(group), Arc::downgrade(&queue), ready));
+        crate::store::sqlite_group::spawn(run(Arc::downgrade(group), Arc::downgrade(&queue), ready));
         queue
     }
 
