@@ -200,23 +200,20 @@ macro_rules! insert_inbox_rows {
     };
 }
 
-/// The batch insert's text for `rows` rows (a power of two), built once
-/// per engine and size up to `MAX_BATCH`: it is on every batch's path.
-fn inbox_insert_text(pg: bool, rows: usize) -> std::borrow::Cow<'static, str> {
-    // One text per power of two from 1 to MAX_BATCH, per engine.
+/// PostgreSQL's batch insert text for `rows` rows (a power of two), built
+/// once per size up to `MAX_BATCH`: it is on every batch's path. SQLite's
+/// is in `inbox_sqlite`.
+fn inbox_insert_text(rows: usize) -> std::borrow::Cow<'static, str> {
     const SIZES: usize = super::MAX_BATCH.ilog2() as usize + 1;
-    static TEXTS: [std::sync::OnceLock<String>; 2 * SIZES] =
-        [const { std::sync::OnceLock::new() }; 2 * SIZES];
+    static TEXTS: [std::sync::OnceLock<String>; SIZES] = [const { std::sync::OnceLock::new() }; SIZES];
     let size = rows.trailing_zeros() as usize;
     if !rows.is_power_of_two() || size >= SIZES {
-        return std::borrow::Cow::Owned(build_inbox_insert_text(pg, rows));
+        return std::borrow::Cow::Owned(build_inbox_insert_text(rows));
     }
-    std::borrow::Cow::Borrowed(
-        TEXTS[usize::from(pg) * SIZES + size].get_or_init(|| build_inbox_insert_text(pg, rows)),
-    )
+    std::borrow::Cow::Borrowed(TEXTS[size].get_or_init(|| build_inbox_insert_text(rows)))
 }
 
-fn build_inbox_insert_text(pg: bool, rows: usize) -> String {
+fn build_inbox_insert_text(rows: usize) -> String {
     let mut sql = String::from(
         "WITH v (tenant, correlation_id, answer, answered_at, body, body_sha256, source, received_at) AS \
          (VALUES ",
@@ -225,47 +222,35 @@ fn build_inbox_insert_text(pg: bool, rows: usize) -> String {
         if n > 0 {
             sql.push_str(", ");
         }
-        if pg {
-            let p = n * 8;
-            sql.push_str(&format!(
-                "(${}, ${}, ${}, ${}, ${}, ${}, ${}, ${})",
-                p + 1,
-                p + 2,
-                p + 3,
-                p + 4,
-                p + 5,
-                p + 6,
-                p + 7,
-                p + 8
-            ));
-        } else {
-            // Anonymous: SQLite finds a numbered parameter by a linear
-            // scan of the statement's names, when it parses and again
-            // when sqlx binds, which is quadratic in a batch's size.
-            sql.push_str("(?, ?, ?, ?, ?, ?, ?, ?)");
-        }
-    }
-    if pg {
-        // The operations the stored rows answer are marked by the same
-        // statement (it sees the rows through `ins`), committed on its
-        // own: one round trip where BEGIN, insert, mark and COMMIT were
-        // four, on every callback's way to its acknowledgement.
-        sql.push_str(concat!("), ins AS (", insert_inbox_rows!()));
+        let p = n * 8;
         sql.push_str(&format!(
-            "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
-             AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
-             RETURNING o.tenant, o.decision_id, o.thread_id) SELECT ins.id, ins.tenant, ins.correlation_id, \
-             m.thread_id FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
-            rows * 8 + 1
+            "(${}, ${}, ${}, ${}, ${}, ${}, ${}, ${})",
+            p + 1,
+            p + 2,
+            p + 3,
+            p + 4,
+            p + 5,
+            p + 6,
+            p + 7,
+            p + 8
         ));
-    } else {
-        sql.push_str(concat!(") ", insert_inbox_rows!()));
     }
+    // The operations the stored rows answer are marked by the same
+    // statement (it sees the rows through `ins`), committed on its own:
+    // one round trip where BEGIN, insert, mark and COMMIT were four, on
+    // every callback's way to its acknowledgement.
+    sql.push_str(concat!("), ins AS (", insert_inbox_rows!()));
+    sql.push_str(&format!(
+        "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
+         AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
+         RETURNING o.tenant, o.decision_id, o.thread_id) SELECT ins.id, ins.tenant, ins.correlation_id, \
+         m.thread_id FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
+        rows * 8 + 1
+    ));
     sql
 }
 
-/// Records a row the batch insert returned against the entry that stored it.
-fn record_stored(
+pub(super) fn record_stored(
     first: &HashMap<(&str, &str), usize>,
     stored: &mut [Option<i64>],
     tenant: &str,
@@ -795,103 +780,93 @@ impl Store {
         // or JSON parameter would hide the batch's size from the planner,
         // which then joins a guessed hundred rows to `operations` by
         // scanning it.
+        if !self.is_postgres() {
+            return self.insert_inbox_batch_sqlite(entries, &first, &unique, &hashes, now).await;
+        }
+        let Backend::Postgres(pool) = &self.backend else { unreachable!("SQLite returned above") };
         let rows = unique.len().next_power_of_two();
-        let sql = inbox_insert_text(self.is_postgres(), rows);
-        with_pool!(self, conn, PG, write => {
-            let mut q = match sql {
-                std::borrow::Cow::Borrowed(text) => sqlx::query(text),
-                std::borrow::Cow::Owned(text) => sqlx::query(AssertSqlSafe(text)),
-            };
-            for (&i, hash) in unique.iter().zip(&hashes) {
-                let e = &entries[i];
-                q = q
+        let mut q = match inbox_insert_text(rows) {
+            std::borrow::Cow::Borrowed(text) => sqlx::query(text),
+            std::borrow::Cow::Owned(text) => sqlx::query(AssertSqlSafe(text)),
+        };
+        for (&i, hash) in unique.iter().zip(&hashes) {
+            let e = &entries[i];
+            q = q
+                .bind(&e.tenant)
+                .bind(&e.correlation_id)
+                .bind(&e.answer)
+                .bind(&e.answered_at)
+                .bind(&e.body)
+                .bind(hash)
+                .bind(e.source)
+                .bind(e.received_at);
+        }
+        for _ in unique.len()..rows {
+            let none: Option<String> = None;
+            q = q
+                .bind(none.clone())
+                .bind(none.clone())
+                .bind(none.clone())
+                .bind(none.clone())
+                .bind(None::<Vec<u8>>)
+                .bind(none.clone())
+                .bind(none)
+                .bind(None::<i64>);
+        }
+        let mut conn = pool.acquire().await?;
+        // By entry: the id of the row it stored (first entries only).
+        let mut stored: Vec<Option<i64>> = vec![None; entries.len()];
+        let mut threads: Vec<(String, String)> = Vec::new();
+        // The insert is a statement of its own; the repeats (rare) get a
+        // transaction after it.
+        for row in q.bind(now).fetch_all(&mut *conn).await? {
+            let tenant: &str = row.try_get("tenant")?;
+            if let Some(thread) = row.try_get::<Option<String>, _>("thread_id")? {
+                threads.push((tenant.to_string(), thread));
+            }
+            record_stored(&first, &mut stored, tenant, row.try_get("correlation_id")?, row.try_get("id")?);
+        }
+        if let Some(ids) = stored.iter().copied().collect::<Option<Vec<i64>>>() {
+            return Ok(self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads));
+        }
+        let mut tx = conn.begin().await?;
+        let mut revived = Vec::new();
+        let mut results = Vec::with_capacity(entries.len());
+        for (e, id) in entries.iter().zip(&stored) {
+            let r = match *id {
+                Some(id) => InboxInsert::Stored(id),
+                None => {
+                    let id: Option<i64> = sqlx::query_scalar(
+                        "UPDATE inbox SET duplicates = duplicates + 1, \
+                         state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
+                         WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
+                    )
                     .bind(&e.tenant)
                     .bind(&e.correlation_id)
-                    .bind(&e.answer)
-                    .bind(&e.answered_at)
-                    .bind(&e.body)
-                    .bind(hash)
-                    .bind(e.source)
-                    .bind(e.received_at);
-            }
-            for _ in unique.len()..rows {
-                let none: Option<String> = None;
-                q = q
-                    .bind(none.clone())
-                    .bind(none.clone())
-                    .bind(none.clone())
-                    .bind(none.clone())
-                    .bind(None::<Vec<u8>>)
-                    .bind(none.clone())
-                    .bind(none)
-                    .bind(None::<i64>);
-            }
-            // By entry: the id of the row it stored (first entries only).
-            let mut stored: Vec<Option<i64>> = vec![None; entries.len()];
-            let mut threads: Vec<(String, String)> = Vec::new();
-            // SQLite: the insert is in the savepoint with the rest, so a
-            // failure undoes all of it. PostgreSQL: it is a statement of its
-            // own, and the repeats (rare) get a transaction after it.
-            let mut sqlite_insert = None;
-            if PG {
-                q = q.bind(now);
-                for row in q.fetch_all(&mut *conn).await? {
-                    let tenant: &str = row.try_get("tenant")?;
-                    if let Some(thread) = row.try_get::<Option<String>, _>("thread_id")? {
-                        threads.push((tenant.to_string(), thread));
-                    }
-                    record_stored(&first, &mut stored, tenant, row.try_get("correlation_id")?, row.try_get("id")?);
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                    // A repeat may find (or revive) a row still waiting:
+                    // make sure its operation is marked.
+                    revived.extend(id);
+                    id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
                 }
-                if let Some(ids) = stored.iter().copied().collect::<Option<Vec<i64>>>() {
-                    return Ok(self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads));
-                }
-            } else {
-                sqlite_insert = Some(q);
-            }
-            let mut tx = conn.begin().await?;
-            if let Some(q) = sqlite_insert {
-                for row in q.fetch_all(&mut *tx).await? {
-                    let (tenant, correlation_id) = (row.try_get("tenant")?, row.try_get("correlation_id")?);
-                    record_stored(&first, &mut stored, tenant, correlation_id, row.try_get("id")?);
-                }
-            }
-            let mut revived = Vec::new();
-            let mut results = Vec::with_capacity(entries.len());
-            for (e, id) in entries.iter().zip(&stored) {
-                let r = match *id {
-                    Some(id) => InboxInsert::Stored(id),
-                    None => {
-                        let id: Option<i64> = sqlx::query_scalar(
-                            "UPDATE inbox SET duplicates = duplicates + 1, \
-                             state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
-                             WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
-                        )
-                        .bind(&e.tenant)
-                        .bind(&e.correlation_id)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                        // A repeat may find (or revive) a row still waiting:
-                        // make sure its operation is marked.
-                        revived.extend(id);
-                        id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
-                    }
-                };
-                results.push(r);
-            }
-            if !PG && let (Some(lo), Some(hi)) = (stored.iter().flatten().min(), stored.iter().flatten().max()) {
-                mark_waiting_answers!(tx, *lo, *hi, now, threads);
-            }
-            for id in revived {
-                mark_waiting_answers!(tx, id, id, now, threads);
-            }
-            tx.commit().await?;
-            Ok(self.batch_done(results, threads))
-        })
+            };
+            results.push(r);
+        }
+        for id in revived {
+            mark_waiting_answers!(tx, id, id, now, threads);
+        }
+        tx.commit().await?;
+        Ok(self.batch_done(results, threads))
     }
 
     /// A committed batch: other replicas are told when operations now
     /// have an answer waiting.
-    fn batch_done(&self, results: Vec<InboxInsert>, mut threads: Vec<(String, String)>) -> BatchInsert {
+    pub(super) fn batch_done(
+        &self,
+        results: Vec<InboxInsert>,
+        mut threads: Vec<(String, String)>,
+    ) -> BatchInsert {
         threads.sort_unstable();
         threads.dedup();
         if !threads.is_empty() {

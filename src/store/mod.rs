@@ -7,6 +7,7 @@
 
 #[macro_use]
 mod db;
+mod inbox_sqlite;
 mod inbox_writer;
 mod insights;
 mod rows;
