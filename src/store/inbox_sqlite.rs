@@ -288,6 +288,7 @@ mod tests {
         .await
         .expect("creates");
         let group = store.sqlite_group.as_ref().expect("a SQLite group");
+        group.pause_commits(true);
         let mut turn = group.turn().await.expect("a turn");
         sqlx::query("INSERT INTO beside VALUES (1)").execute(&mut *turn.conn()).await.expect("runs");
         let beside = turn.release();
@@ -296,6 +297,7 @@ mod tests {
         assert!(err.to_string().contains("a bad row"), "{err}");
         let err = store.insert_inbox_batch(&[entry("dec-1"), entry("x")]).await.expect_err("the mark fails");
         assert!(err.to_string().contains("a bad mark"), "{err}");
+        group.pause_commits(false);
         beside.wait().await.expect("the write beside them commits");
         let kept: Vec<i64> =
             sqlx::query_scalar("SELECT v FROM beside").fetch_all(&pool).await.expect("reads");

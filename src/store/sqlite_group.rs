@@ -40,6 +40,10 @@ pub(crate) struct SqliteGroup {
     /// was taken (writers running, commits flushing). Near all of it, the
     /// node writes as fast as SQLite lets one process (docs/performance.md).
     busy: Counters,
+    /// Tests hold the commits back, to put several turns in one
+    /// transaction for certain: the committer has a thread of its own.
+    #[cfg(test)]
+    paused: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -119,6 +123,8 @@ impl SqliteGroup {
             }),
             kick: Arc::clone(&kick),
             busy: Counters::default(),
+            #[cfg(test)]
+            paused: false.into(),
         });
         spawn(committer(Arc::downgrade(&group), kick));
         group
@@ -274,6 +280,10 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
         kick.notified().await;
         let Some(group) = group.upgrade() else { return };
         let mut state = group.state.lock().await;
+        #[cfg(test)]
+        if group.paused.load(Ordering::Relaxed) {
+            continue;
+        }
         group.commit(&mut state).await;
     }
 }
@@ -315,6 +325,13 @@ impl SqliteGroup {
         done.send_replace(Some(result));
     }
 
+    /// Holds the commits back (`true`) or lets them go on.
+    #[cfg(test)]
+    pub(crate) fn pause_commits(&self, paused: bool) {
+        self.paused.store(paused, Ordering::Relaxed);
+        self.kick.notify_one();
+    }
+
     /// Commits what is open and closes the writer's connection, for a
     /// store being closed. A later write opens a new one.
     pub(crate) async fn close(&self) {
@@ -353,12 +370,14 @@ mod tests {
     #[tokio::test]
     async fn an_abandoned_turn_fails_every_write_of_its_transaction() {
         let (_dir, pool, group) = group().await;
+        group.pause_commits(true);
         let mut first = group.turn().await.expect("a turn");
         sqlx::query("INSERT INTO t VALUES (1)").execute(&mut *first.conn()).await.expect("runs");
         let committed = first.release();
         let mut second = group.turn().await.expect("a turn, before the commit");
         sqlx::query("INSERT INTO t VALUES (2)").execute(&mut *second.conn()).await.expect("runs");
         second.abandon("broken");
+        group.pause_commits(false);
         assert!(committed.wait().await.is_err_and(|e| e.to_string().contains("broken")));
         let mut third = group.turn().await.expect("a turn");
         let r = sqlx::query("INSERT INTO t VALUES (3)").execute(&mut *third.conn()).await.map(|_| ());
