@@ -150,6 +150,41 @@ macro_rules! mark_waiting_answers {
     };
 }
 
+/// The results of a batch's entries, counting those it did not store
+/// (`$stored[i]` is `None`): a later body for a decision already in the
+/// inbox is its duplicate (reviving an orphaned row, whose operation is
+/// then marked, its thread added to `$threads`), one for an archived
+/// decision a replay. Rare, so statement by statement, on `$conn`.
+macro_rules! inbox_repeats {
+    ($conn:ident, $entries:expr, $stored:expr, $now:expr, $threads:expr) => {{
+        let mut results = Vec::with_capacity($entries.len());
+        for (e, id) in $entries.iter().zip($stored.iter()) {
+            let r = match *id {
+                Some(id) => InboxInsert::Stored(id),
+                None => {
+                    let id: Option<i64> = sqlx::query_scalar(
+                        "UPDATE inbox SET duplicates = duplicates + 1, \
+                         state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
+                         WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
+                    )
+                    .bind(&e.tenant)
+                    .bind(&e.correlation_id)
+                    .fetch_optional(&mut *$conn)
+                    .await?;
+                    // A repeat may find (or revive) a row still waiting:
+                    // make sure its operation is marked.
+                    if let Some(id) = id {
+                        mark_waiting_answers!($conn, id, id, $now, $threads);
+                    }
+                    id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
+                }
+            };
+            results.push(r);
+        }
+        results
+    }};
+}
+
 macro_rules! insert_delivery {
     ($exec:expr, $d:expr) => {
         sqlx::query(
@@ -200,17 +235,61 @@ macro_rules! insert_inbox_rows {
     };
 }
 
-/// PostgreSQL's batch insert text for `rows` rows (a power of two), built
-/// once per size up to `MAX_BATCH`: it is on every batch's path. SQLite's
-/// is in `inbox_sqlite`.
-fn inbox_insert_text(rows: usize) -> std::borrow::Cow<'static, str> {
-    const SIZES: usize = super::MAX_BATCH.ilog2() as usize + 1;
-    static TEXTS: [std::sync::OnceLock<String>; SIZES] = [const { std::sync::OnceLock::new() }; SIZES];
-    let size = rows.trailing_zeros() as usize;
-    if !rows.is_power_of_two() || size >= SIZES {
-        return std::borrow::Cow::Owned(build_inbox_insert_text(rows));
+/// Texts of an inbox batch, one per power of two from 1 to `MAX_BATCH`
+/// rows, each built once: a handful of texts serve every batch size and
+/// each is prepared once per connection.
+pub(super) type BatchTexts = [std::sync::OnceLock<String>; super::MAX_BATCH.ilog2() as usize + 1];
+
+/// The text for `rows` rows from `texts`, built by `build` the first time
+/// (and every time for a size that is not a power of two up to `MAX_BATCH`).
+pub(super) fn batch_text(
+    texts: &'static BatchTexts,
+    rows: usize,
+    build: fn(usize) -> String,
+) -> std::borrow::Cow<'static, str> {
+    match texts.get(rows.trailing_zeros() as usize) {
+        Some(text) if rows.is_power_of_two() => std::borrow::Cow::Borrowed(text.get_or_init(|| build(rows))),
+        _ => std::borrow::Cow::Owned(build(rows)),
     }
-    std::borrow::Cow::Borrowed(TEXTS[size].get_or_init(|| build_inbox_insert_text(rows)))
+}
+
+/// Binds the `unique` entries of an inbox batch (with their bodies'
+/// `hashes`) to `$q`, eight values a row, then NULL rows, which the insert
+/// skips, up to `$rows`.
+macro_rules! bind_inbox_rows {
+    ($q:ident, $entries:expr, $unique:expr, $hashes:expr, $rows:expr) => {
+        for (&i, hash) in $unique.iter().zip($hashes) {
+            let e = &$entries[i];
+            $q = $q
+                .bind(&e.tenant)
+                .bind(&e.correlation_id)
+                .bind(&e.answer)
+                .bind(&e.answered_at)
+                .bind(&e.body)
+                .bind(hash)
+                .bind(e.source)
+                .bind(e.received_at);
+        }
+        for _ in $unique.len()..$rows {
+            let none: Option<String> = None;
+            $q = $q
+                .bind(none.clone())
+                .bind(none.clone())
+                .bind(none.clone())
+                .bind(none.clone())
+                .bind(None::<Vec<u8>>)
+                .bind(none.clone())
+                .bind(none)
+                .bind(None::<i64>);
+        }
+    };
+}
+
+/// PostgreSQL's batch insert text for `rows` rows (a power of two); it
+/// is on every batch's path. SQLite's is in `inbox_sqlite`.
+fn inbox_insert_text(rows: usize) -> std::borrow::Cow<'static, str> {
+    static TEXTS: BatchTexts = [const { std::sync::OnceLock::new() }; _];
+    batch_text(&TEXTS, rows, build_inbox_insert_text)
 }
 
 fn build_inbox_insert_text(rows: usize) -> String {
@@ -789,30 +868,7 @@ impl Store {
             std::borrow::Cow::Borrowed(text) => sqlx::query(text),
             std::borrow::Cow::Owned(text) => sqlx::query(AssertSqlSafe(text)),
         };
-        for (&i, hash) in unique.iter().zip(&hashes) {
-            let e = &entries[i];
-            q = q
-                .bind(&e.tenant)
-                .bind(&e.correlation_id)
-                .bind(&e.answer)
-                .bind(&e.answered_at)
-                .bind(&e.body)
-                .bind(hash)
-                .bind(e.source)
-                .bind(e.received_at);
-        }
-        for _ in unique.len()..rows {
-            let none: Option<String> = None;
-            q = q
-                .bind(none.clone())
-                .bind(none.clone())
-                .bind(none.clone())
-                .bind(none.clone())
-                .bind(None::<Vec<u8>>)
-                .bind(none.clone())
-                .bind(none)
-                .bind(None::<i64>);
-        }
+        bind_inbox_rows!(q, entries, unique, &hashes, rows);
         let mut conn = pool.acquire().await?;
         // By entry: the id of the row it stored (first entries only).
         let mut stored: Vec<Option<i64>> = vec![None; entries.len()];
@@ -830,32 +886,7 @@ impl Store {
             return Ok(self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads));
         }
         let mut tx = conn.begin().await?;
-        let mut revived = Vec::new();
-        let mut results = Vec::with_capacity(entries.len());
-        for (e, id) in entries.iter().zip(&stored) {
-            let r = match *id {
-                Some(id) => InboxInsert::Stored(id),
-                None => {
-                    let id: Option<i64> = sqlx::query_scalar(
-                        "UPDATE inbox SET duplicates = duplicates + 1, \
-                         state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
-                         WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
-                    )
-                    .bind(&e.tenant)
-                    .bind(&e.correlation_id)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                    // A repeat may find (or revive) a row still waiting:
-                    // make sure its operation is marked.
-                    revived.extend(id);
-                    id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
-                }
-            };
-            results.push(r);
-        }
-        for id in revived {
-            mark_waiting_answers!(tx, id, id, now, threads);
-        }
+        let results = inbox_repeats!(tx, entries, stored, now, threads);
         tx.commit().await?;
         Ok(self.batch_done(results, threads))
     }
@@ -1370,5 +1401,42 @@ impl Store {
                 .await?;
             rows.iter().map(|r| Ok((r.try_get("state")?, r.try_get("n")?))).collect()
         })
+    }
+}
+
+#[cfg(test)]
+pub(super) mod test_support {
+    use super::{Backend, SqlitePool, Store};
+    use crate::config::StoreConfig;
+
+    /// A migrated SQLite store in a temporary directory, and its pool.
+    pub(crate) async fn sqlite_store() -> (tempfile::TempDir, Store, SqlitePool) {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let config = StoreConfig {
+            url: format!("sqlite://{}", dir.path().join("s.db").display()),
+            sqlite_synchronous: "full".into(),
+            max_connections: 2,
+            busy_timeout_ms: 5000,
+        };
+        let store = Store::connect(&config).await.expect("opens");
+        store.migrate().await.expect("migrates");
+        let Backend::Sqlite(pool) = store.backend.clone() else { unreachable!("a SQLite URL") };
+        (dir, store, pool)
+    }
+
+    /// A pending operation `id` on `thread` (tenant `t`), waiting for the
+    /// answer to `decision` when it has one.
+    pub(crate) async fn insert_operation(pool: &SqlitePool, id: &str, thread: &str, decision: Option<&str>) {
+        sqlx::query(
+            "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+             decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, created_at, \
+             updated_at) VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', '{}', '{}', 'pending', $3, $1, 9, 1, 1)",
+        )
+        .bind(id)
+        .bind(thread)
+        .bind(decision)
+        .execute(pool)
+        .await
+        .expect("inserts");
     }
 }

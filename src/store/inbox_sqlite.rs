@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use sqlx::{Row, SqliteConnection};
 
-use super::db::{BatchInsert, Store, record_stored};
+use super::db::{BatchInsert, BatchTexts, Store, batch_text, record_stored};
 use super::inbox_writer::OwnedInboxEntry;
 use super::sqlite_group::Turn;
 use super::{InboxInsert, StoreError};
@@ -20,15 +20,10 @@ use super::{InboxInsert, StoreError};
 const SAVEPOINT: &str = "approvald_inbox";
 
 /// The text for `rows` rows (a power of two, padded with NULL rows the
-/// insert skips), built once per size up to `MAX_BATCH`.
+/// insert skips).
 fn text(rows: usize) -> std::borrow::Cow<'static, str> {
-    const SIZES: usize = super::MAX_BATCH.ilog2() as usize + 1;
-    static TEXTS: [std::sync::OnceLock<String>; SIZES] = [const { std::sync::OnceLock::new() }; SIZES];
-    let size = rows.trailing_zeros() as usize;
-    if !rows.is_power_of_two() || size >= SIZES {
-        return std::borrow::Cow::Owned(build(rows));
-    }
-    std::borrow::Cow::Borrowed(TEXTS[size].get_or_init(|| build(rows)))
+    static TEXTS: BatchTexts = [const { std::sync::OnceLock::new() }; _];
+    batch_text(&TEXTS, rows, build)
 }
 
 fn build(rows: usize) -> String {
@@ -72,23 +67,7 @@ impl Store {
             std::borrow::Cow::Borrowed(text) => sqlx::query(text),
             std::borrow::Cow::Owned(text) => sqlx::query(sqlx::AssertSqlSafe(text)),
         };
-        for (&i, hash) in unique.iter().zip(hashes) {
-            let e = &entries[i];
-            q = q
-                .bind(&e.tenant)
-                .bind(&e.correlation_id)
-                .bind(&e.answer)
-                .bind(&e.answered_at)
-                .bind(&e.body)
-                .bind(hash)
-                .bind(e.source)
-                .bind(e.received_at);
-        }
-        for _ in unique.len()..rows {
-            for _ in 0..8 {
-                q = q.bind(None::<String>);
-            }
-        }
+        bind_inbox_rows!(q, entries, unique, hashes, rows);
         q = q.bind(now);
         let group = self.sqlite_group.as_ref().expect("a SQLite store has a write group");
         let mut turn = group.turn().await?;
@@ -144,10 +123,7 @@ async fn undo(mut turn: Turn<'_>, e: sqlx::Error) -> Result<BatchInsert, StoreEr
     turn.finish(Err(e.into())).await
 }
 
-/// The entries not stored: a later body for a decision already in the
-/// inbox counts as its duplicate (reviving an orphaned row, whose
-/// operation is then marked), and one for an archived decision is a
-/// replay. Rare, so statement by statement.
+/// `inbox_repeats!` on the writer's connection.
 async fn repeats(
     conn: &mut SqliteConnection,
     entries: &[OwnedInboxEntry],
@@ -155,62 +131,20 @@ async fn repeats(
     now: i64,
     threads: &mut Vec<(String, String)>,
 ) -> Result<Vec<InboxInsert>, sqlx::Error> {
-    let mut results = Vec::with_capacity(entries.len());
-    for (e, id) in entries.iter().zip(stored) {
-        let r = match *id {
-            Some(id) => InboxInsert::Stored(id),
-            None => {
-                let id: Option<i64> = sqlx::query_scalar(
-                    "UPDATE inbox SET duplicates = duplicates + 1, \
-                     state = CASE WHEN state = 'orphaned' THEN 'new' ELSE state END \
-                     WHERE tenant = $1 AND correlation_id = $2 RETURNING id",
-                )
-                .bind(&e.tenant)
-                .bind(&e.correlation_id)
-                .fetch_optional(&mut *conn)
-                .await?;
-                if let Some(id) = id {
-                    mark_waiting_answers!(conn, id, id, now, threads);
-                }
-                id.map_or(InboxInsert::Archived, InboxInsert::Duplicate)
-            }
-        };
-        results.push(r);
-    }
-    Ok(results)
+    Ok(inbox_repeats!(conn, entries, stored, now, threads))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::StoreConfig;
-    use crate::store::db::Backend;
+    use crate::store::db::test_support::{insert_operation, sqlite_store};
 
     async fn store() -> (tempfile::TempDir, Store, sqlx::SqlitePool) {
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let config = StoreConfig {
-            url: format!("sqlite://{}", dir.path().join("i.db").display()),
-            sqlite_synchronous: "full".into(),
-            max_connections: 2,
-            busy_timeout_ms: 5000,
-        };
-        let store = Store::connect(&config).await.expect("opens");
-        store.migrate().await.expect("migrates");
-        let Backend::Sqlite(pool) = store.backend.clone() else { unreachable!("a SQLite URL") };
+        let (dir, store, pool) = sqlite_store().await;
         // Operations waiting for the answers to decisions dec-0 and dec-1.
         for n in 0..2 {
-            sqlx::query(
-                "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
-                 decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, created_at, \
-                 updated_at) VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', '{}', '{}', 'pending', $3, $1, 9, \
-                 1, 1)",
-            )
-            .bind(format!("op-{n}"))
-            .bind(format!("thread-{n}"))
-            .bind(format!("dec-{n}"))
-            .execute(&pool)
-            .await
-            .expect("inserts");
+            insert_operation(&pool, &format!("op-{n}"), &format!("thread-{n}"), Some(&format!("dec-{n}")))
+                .await;
         }
         (dir, store, pool)
     }

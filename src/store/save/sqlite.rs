@@ -442,32 +442,13 @@ async fn execute(conn: &mut sqlx::SqliteConnection, rows: &[&[SaveValue]]) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::StoreConfig;
     use crate::store::Store;
-    use crate::store::db::Backend;
+    use crate::store::db::test_support::{insert_operation, sqlite_store};
 
     async fn store() -> (tempfile::TempDir, Store, sqlx::SqlitePool) {
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let config = StoreConfig {
-            url: format!("sqlite://{}", dir.path().join("s.db").display()),
-            sqlite_synchronous: "full".into(),
-            max_connections: 2,
-            busy_timeout_ms: 5000,
-        };
-        let store = Store::connect(&config).await.expect("opens");
-        store.migrate().await.expect("migrates");
-        let Backend::Sqlite(pool) = store.backend.clone() else { unreachable!("a SQLite URL") };
+        let (dir, store, pool) = sqlite_store().await;
         for (id, decision) in [("x", Some("dec-1")), ("a", None), ("b", None), ("c", None), ("d", None)] {
-            sqlx::query(
-                "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
-                 decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, created_at, \
-                 updated_at) VALUES ($1, 't', $1, 'f', $1, 'i', 'e', 'confirm', '{}', '{}', 'pending', $2, $1, 9, 1, 1)",
-            )
-            .bind(id)
-            .bind(decision)
-            .execute(&pool)
-            .await
-            .expect("inserts");
+            insert_operation(&pool, id, id, decision).await;
         }
         (dir, store, pool)
     }
