@@ -37,9 +37,11 @@ fn build(rows: usize) -> String {
     sql.push_str(&vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; rows].join(", "));
     sql.push_str(concat!(") ", insert_inbox_rows!(), "; "));
     // The rows just stored are the last `changes()` ids ending at
-    // `last_insert_rowid()`: one writer, one statement, so they are
-    // consecutive (none stored: an empty range). Both still describe the
-    // insert here, the statement that completed last.
+    // `last_insert_rowid()` (none stored: an empty range), both still
+    // describing the insert here, the statement that completed last. One
+    // writer, one statement: the ids are consecutive unless a row
+    // conflicted, which used one up; such a batch has a repeat, and
+    // `repeats` marks its stored rows again by their ids.
     sql.push_str(&format!(
         "UPDATE operations SET inbox_at = ? WHERE inbox_at IS NULL AND decision_id IS NOT NULL \
          AND (tenant, decision_id) IN (SELECT i.tenant, i.correlation_id FROM inbox i \
@@ -123,7 +125,11 @@ async fn undo(mut turn: Turn<'_>, e: sqlx::Error) -> Result<BatchInsert, StoreEr
     turn.finish(Err(e.into())).await
 }
 
-/// `inbox_repeats!` on the writer's connection.
+/// `inbox_repeats!` on the writer's connection. A conflicting row still
+/// takes an id (`AUTOINCREMENT` hands it out before the conflict is
+/// found), so the ids stored around a repeat are not consecutive, and the
+/// text's marking may have missed some: they are marked again here, by
+/// the range of the ids stored (marking is idempotent).
 async fn repeats(
     conn: &mut SqliteConnection,
     entries: &[OwnedInboxEntry],
@@ -131,6 +137,9 @@ async fn repeats(
     now: i64,
     threads: &mut Vec<(String, String)>,
 ) -> Result<Vec<InboxInsert>, sqlx::Error> {
+    if let (Some(lo), Some(hi)) = (stored.iter().flatten().min(), stored.iter().flatten().max()) {
+        mark_waiting_answers!(conn, *lo, *hi, now, threads);
+    }
     Ok(inbox_repeats!(conn, entries, stored, now, threads))
 }
 
@@ -184,23 +193,30 @@ mod tests {
         let first = store.insert_inbox_batch(&[entry("dec-0"), entry("other")]).await.expect("stores");
         assert!(matches!(first.results[..], [InboxInsert::Stored(_), InboxInsert::Stored(_)]), "{first:?}");
         assert_eq!(first.threads, vec![("t".to_string(), "thread-0".to_string())]);
-        let batch = [entry("dec-1"), entry("dec-0"), entry("dec-1"), entry("new")];
+        // A repeat of a stored row between two new ones uses up an id.
+        let batch = [entry("dec-1"), entry("dec-0"), entry("new")];
         let second = store.insert_inbox_batch(&batch).await.expect("stores");
         assert!(
             matches!(
                 second.results[..],
-                [
-                    InboxInsert::Stored(_),
-                    InboxInsert::Duplicate(_),
-                    InboxInsert::Duplicate(_),
-                    InboxInsert::Stored(_)
-                ]
+                [InboxInsert::Stored(_), InboxInsert::Duplicate(_), InboxInsert::Stored(_)]
             ),
             "{second:?}"
         );
-        assert!(second.threads.contains(&("t".to_string(), "thread-1".to_string())), "{second:?}");
+        assert_eq!(second.threads, vec![("t".to_string(), "thread-1".to_string())]);
+        assert_eq!(marked(&pool).await, vec!["op-0", "op-1"]);
+        // Repeats inside one batch count too.
+        let third =
+            store.insert_inbox_batch(&[entry("dec-1"), entry("late"), entry("late")]).await.expect("stores");
+        assert!(
+            matches!(
+                third.results[..],
+                [InboxInsert::Duplicate(_), InboxInsert::Stored(_), InboxInsert::Duplicate(_)]
+            ),
+            "{third:?}"
+        );
         let rows = inbox(&pool).await;
-        let want = [("dec-0", 1), ("other", 0), ("dec-1", 1), ("new", 0)];
+        let want = [("dec-0", 1), ("other", 0), ("dec-1", 1), ("new", 0), ("late", 1)];
         assert_eq!(rows, want.map(|(c, d)| (c.to_string(), d)).to_vec());
         assert_eq!(marked(&pool).await, vec!["op-0", "op-1"]);
     }

@@ -139,6 +139,11 @@ impl SqliteGroup {
         let held = std::time::Instant::now();
         guard.wait_us += asked.elapsed().as_micros() as u64;
         if !guard.open {
+            // A connection still in a transaction, by sqlx's count, is one
+            // whose state is not known: replaced.
+            if guard.conn.as_ref().is_some_and(|c| Tm::get_transaction_depth(c) != 0) {
+                guard.conn = None;
+            }
             if guard.conn.is_none() {
                 guard.conn = Some(self.pool.acquire().await?.detach());
             }
@@ -297,7 +302,12 @@ impl SqliteGroup {
         state.open = false;
         let started = std::time::Instant::now();
         let conn = state.conn.as_mut().expect("an open transaction has its connection");
-        let result = Tm::commit(conn).await.map_err(|e| e.to_string());
+        // Deeper, sqlx would release a savepoint left open and call that
+        // the commit: the writers would be told their writes are durable.
+        let result = match Tm::get_transaction_depth(conn) {
+            1 => Tm::commit(conn).await.map_err(|e| e.to_string()),
+            depth => Err(format!("the writer's transaction is {depth} deep at its commit, not 1")),
+        };
         if result.is_err() {
             state.conn = None;
         }
@@ -426,6 +436,21 @@ mod tests {
         });
         let name = tokio::time::timeout(Duration::from_secs(10), rx).await.expect("runs").expect("answers");
         assert_eq!(name.as_deref(), Some("sqlite-writer"));
+    }
+
+    // A savepoint left open at the commit fails the commit rather than
+    // being released in its place: nothing is reported durable that is
+    // not. The next write gets a new connection.
+    #[tokio::test]
+    async fn a_savepoint_left_open_fails_the_commit() {
+        let (_dir, pool, group) = group().await;
+        let mut turn = group.turn().await.expect("a turn");
+        sqlx::query("INSERT INTO t VALUES (1)").execute(&mut *turn.conn()).await.expect("runs");
+        Tm::begin(turn.conn(), None).await.expect("a savepoint");
+        let err = turn.finish(Ok(())).await.expect_err("the commit fails");
+        assert!(err.to_string().contains("deep"), "{err}");
+        write(&group, "INSERT INTO t VALUES (2)").await.expect("a new connection commits");
+        assert_eq!(values(&pool).await, vec![2]);
     }
 
     // What `/metrics` reports of the writer: every turn is a write, every
