@@ -79,10 +79,9 @@ struct State {
     /// that moved between connections began each transaction cold,
     /// reading its index pages from the OS again (docs/performance.md).
     /// Replaced after a failed commit or an abandoned transaction, when
-    /// what SQLite has open on it is not known.
+    /// what SQLite has open on it is not known. Whether a transaction is
+    /// open on it is sqlx's count of them, kept by `Tm`: one account.
     conn: Option<SqliteConnection>,
-    /// The open transaction's on `conn`.
-    open: bool,
     /// Turns taken in the open transaction.
     turns: u32,
     /// For the trace line of each commit (`RUST_LOG=approvald::store=trace`):
@@ -94,6 +93,13 @@ struct State {
     last_commit: Option<std::time::Instant>,
     /// Tells the writers of the open transaction how its commit went.
     outcome: watch::Sender<CommitOutcome>,
+}
+
+impl State {
+    /// A transaction is open on the writer's connection.
+    fn open(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| Tm::get_transaction_depth(c) > 0)
+    }
 }
 
 /// A writer's turn: holds the connection, in the open transaction, until
@@ -114,7 +120,6 @@ impl SqliteGroup {
             pool,
             state: Mutex::new(State {
                 conn: None,
-                open: false,
                 turns: 0,
                 wait_us: 0,
                 hold_us: 0,
@@ -138,12 +143,7 @@ impl SqliteGroup {
         // The writer is taken from here: opening the transaction is part of its work.
         let held = std::time::Instant::now();
         guard.wait_us += asked.elapsed().as_micros() as u64;
-        if !guard.open {
-            // A connection still in a transaction, by sqlx's count, is one
-            // whose state is not known: replaced.
-            if guard.conn.as_ref().is_some_and(|c| Tm::get_transaction_depth(c) != 0) {
-                guard.conn = None;
-            }
+        if !guard.open() {
             if guard.conn.is_none() {
                 guard.conn = Some(self.pool.acquire().await?.detach());
             }
@@ -152,7 +152,6 @@ impl SqliteGroup {
                 guard.conn = None;
                 return Err(e.into());
             }
-            guard.open = true;
         }
         guard.turns += 1;
         Ok(Turn { guard, kick: &self.kick, busy: &self.busy, held, writes: 1 })
@@ -200,7 +199,6 @@ impl Turn<'_> {
     pub(crate) fn abandon(mut self, reason: &str) {
         // Dropped, the connection closes and SQLite rolls back what it has open.
         self.guard.conn = None;
-        self.guard.open = false;
         self.guard.turns = 0;
         let next = watch::channel(None).0;
         std::mem::replace(&mut self.guard.outcome, next).send_replace(Some(Err(reason.to_string())));
@@ -296,17 +294,20 @@ async fn committer(group: Weak<SqliteGroup>, kick: Arc<Notify>) {
 impl SqliteGroup {
     /// Commits the open transaction, if any, and tells its writers.
     async fn commit(&self, state: &mut State) {
-        if !state.open {
+        if !state.open() {
             return;
         }
-        state.open = false;
         let started = std::time::Instant::now();
         let conn = state.conn.as_mut().expect("an open transaction has its connection");
-        // Deeper, sqlx would release a savepoint left open and call that
-        // the commit: the writers would be told their writes are durable.
-        let result = match Tm::get_transaction_depth(conn) {
-            1 => Tm::commit(conn).await.map_err(|e| e.to_string()),
-            depth => Err(format!("the writer's transaction is {depth} deep at its commit, not 1")),
+        // With a savepoint left open, sqlx releases it and calls that the
+        // commit: the writers would be told their writes are durable. The
+        // count is read once the commit is answered, so a savepoint's
+        // roll-back queued before it has been done (read before, it may
+        // not have been).
+        let result = match Tm::commit(conn).await.map(|()| Tm::get_transaction_depth(conn)) {
+            Ok(0) => Ok(()),
+            Ok(depth) => Err(format!("the writer's transaction is still {depth} deep after its commit")),
+            Err(e) => Err(e.to_string()),
         };
         if result.is_err() {
             state.conn = None;
