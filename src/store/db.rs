@@ -220,6 +220,9 @@ pub enum ThreadWork {
 pub struct BatchInsert {
     pub results: Vec<InboxInsert>,
     pub threads: Vec<(String, String)>,
+    /// PostgreSQL: the rows stored that marked no operation, for
+    /// `mark_stored_unmarked` once they are acknowledged.
+    pub unmarked: Vec<i64>,
 }
 
 /// Stores the rows of `v` (but its padding) that are not repeats of an
@@ -830,7 +833,9 @@ impl Store {
             source: if e.source == "poll" { "poll" } else { "callback" },
             received_at: e.received_at,
         };
-        Ok(self.insert_inbox_batch(std::slice::from_ref(&owned)).await?.results.remove(0))
+        let mut batch = self.insert_inbox_batch(std::slice::from_ref(&owned)).await?;
+        self.mark_stored_unmarked(&batch.unmarked).await?;
+        Ok(batch.results.remove(0))
     }
 
     /// Commits a batch of verified callbacks in one transaction; one
@@ -875,20 +880,56 @@ impl Store {
         let mut threads: Vec<(String, String)> = Vec::new();
         // The insert is a statement of its own; the repeats (rare) get a
         // transaction after it.
+        let mut unmarked: Vec<i64> = Vec::new();
         for row in q.bind(now).fetch_all(&mut *conn).await? {
             let tenant: &str = row.try_get("tenant")?;
-            if let Some(thread) = row.try_get::<Option<String>, _>("thread_id")? {
-                threads.push((tenant.to_string(), thread));
+            let id = row.try_get("id")?;
+            match row.try_get::<Option<String>, _>("thread_id")? {
+                Some(thread) => threads.push((tenant.to_string(), thread)),
+                None => unmarked.push(id),
             }
-            record_stored(&first, &mut stored, tenant, row.try_get("correlation_id")?, row.try_get("id")?);
+            record_stored(&first, &mut stored, tenant, row.try_get("correlation_id")?, id);
         }
-        if let Some(ids) = stored.iter().copied().collect::<Option<Vec<i64>>>() {
-            return Ok(self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads));
+        let mut done = match stored.iter().copied().collect::<Option<Vec<i64>>>() {
+            Some(ids) => self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads),
+            None => {
+                let mut tx = conn.begin().await?;
+                let results = inbox_repeats!(tx, entries, stored, now, threads);
+                tx.commit().await?;
+                self.batch_done(results, threads)
+            }
+        };
+        done.unmarked = unmarked;
+        Ok(done)
+    }
+
+    /// Marks the operations that the inbox rows `ids`, stored before and
+    /// then marking none, answer after all, and returns their threads.
+    /// PostgreSQL only: a row's statement marks by the snapshot it began
+    /// with, and may have begun before the save that records its
+    /// operation's decision id committed, while that save's own look for
+    /// a waiting answer began before the row committed (see
+    /// `mark_early_answer`). Begun after the row's commit, this one sees
+    /// every decision id committed before it. Nearly always it finds
+    /// nothing: a callback for a decision no operation has opened.
+    pub async fn mark_stored_unmarked(&self, ids: &[i64]) -> Result<Vec<(String, String)>, StoreError> {
+        let Backend::Postgres(pool) = &self.backend else { return Ok(Vec::new()) };
+        if ids.is_empty() {
+            return Ok(Vec::new());
         }
-        let mut tx = conn.begin().await?;
-        let results = inbox_repeats!(tx, entries, stored, now, threads);
-        tx.commit().await?;
-        Ok(self.batch_done(results, threads))
+        let rows = sqlx::query(
+            "UPDATE operations o SET inbox_at = i.received_at FROM inbox i WHERE i.id = ANY($1) \
+             AND i.state = 'new' AND o.inbox_at IS NULL AND o.decision_id IS NOT NULL \
+             AND o.tenant = i.tenant AND o.decision_id = i.correlation_id RETURNING o.tenant, o.thread_id",
+        )
+        .bind(ids)
+        .fetch_all(pool)
+        .await?;
+        let threads = rows
+            .iter()
+            .map(|r| Ok((r.try_get("tenant")?, r.try_get("thread_id")?)))
+            .collect::<Result<_, StoreError>>()?;
+        Ok(self.batch_done(Vec::new(), threads).threads)
     }
 
     /// A committed batch: other replicas are told when operations now
@@ -903,7 +944,7 @@ impl Store {
         if !threads.is_empty() {
             self.signal_work();
         }
-        BatchInsert { results, threads }
+        BatchInsert { results, threads, unmarked: Vec::new() }
     }
 
     pub async fn list_inbox(&self, state: Option<&str>, limit: i64) -> Result<Vec<InboxEntry>, StoreError> {
@@ -971,18 +1012,46 @@ impl Store {
         })
     }
 
-    /// An orphan whose decision id is now known goes back to work.
-    pub async fn revive_orphan(&self, tenant: &str, correlation_id: &str) -> Result<(), StoreError> {
-        with_pool!(self, conn, PG, write => {
-            let revived = sqlx::query(
+    /// After an open is committed: an answer that came before its
+    /// operation knew the decision id goes to work. It may have been
+    /// marked orphaned, or (PostgreSQL) stored while the open was being
+    /// saved: the callback's statement did not see the id, not committed
+    /// yet, and the save's did not see the callback, not committed when
+    /// it began, so neither marked the answer as waiting, and it waited
+    /// for the reconciler's poll. This statement begins after the open's
+    /// commit, so it sees any callback committed before that; one
+    /// committed later is marked by its receiver, which looks again after
+    /// its own commit (`mark_stored_unmarked`). Called after every open.
+    pub async fn mark_early_answer(&self, tenant: &str, correlation_id: &str) -> Result<(), StoreError> {
+        macro_rules! revive {
+            () => {
                 "UPDATE inbox SET state = 'new', note = 'revived: its operation now knows the decision id' \
-                 WHERE tenant = $1 AND correlation_id = $2 AND state = 'orphaned'",
-            )
+                 WHERE tenant = $1 AND correlation_id = $2 AND state = 'orphaned'"
+            };
+        }
+        if let Backend::Postgres(pool) = &self.backend {
+            // One round trip. Sub-statements share a snapshot, so the
+            // revived row is read from `r`, not from the inbox.
+            sqlx::query(concat!(
+                "WITH r AS (",
+                revive!(),
+                " RETURNING received_at), w AS (SELECT received_at FROM r UNION ALL \
+                   SELECT i.received_at FROM inbox i WHERE i.tenant = $1 AND i.correlation_id = $2 \
+                   AND i.state = 'new' LIMIT 1) \
+                 UPDATE operations SET inbox_at = w.received_at FROM w \
+                 WHERE tenant = $1 AND decision_id = $2 AND inbox_at IS NULL"
+            ))
             .bind(tenant)
             .bind(correlation_id)
-            .execute(&mut *conn)
+            .execute(pool)
             .await?;
-            // Called after every open; the mark is needed only for a revived row.
+            return Ok(());
+        }
+        // SQLite: the open's save and every callback's insert take turns
+        // on one writer, and the later of the two sees the other, so only
+        // a revived orphan needs its mark.
+        with_pool!(self, conn, PG, write => {
+            let revived = sqlx::query(revive!()).bind(tenant).bind(correlation_id).execute(&mut *conn).await?;
             if revived.rows_affected() == 0 {
                 return Ok(());
             }

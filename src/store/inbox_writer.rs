@@ -37,6 +37,19 @@ pub struct InboxWriter {
     tx: mpsc::Sender<Job>,
 }
 
+/// Looks once more, after the commit and off the acknowledgement's path,
+/// for the operations of stored rows that marked none: their decision ids
+/// may have been committed while the rows' statement ran
+/// (`Store::mark_stored_unmarked`). Failing, the answers wait for the
+/// reconciler's poll, as they would have.
+async fn mark_unmarked<F: Fn(&[(String, String)]) + ?Sized>(store: &Store, unmarked: &[i64], on_stored: &F) {
+    match store.mark_stored_unmarked(unmarked).await {
+        Ok(threads) if !threads.is_empty() => on_stored(&threads),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot look again for the operations of stored callbacks"),
+    }
+}
+
 impl InboxWriter {
     /// Starts the writer tasks. They end when every handle is dropped,
     /// after committing what was queued.
@@ -74,6 +87,7 @@ impl InboxWriter {
                             for (reply, r) in replies.into_iter().zip(batch.results) {
                                 let _ = reply.send(Ok(r));
                             }
+                            mark_unmarked(&store, &batch.unmarked, &*on_stored).await;
                         }
                         // One bad entry must not fail its neighbours: retry
                         // them one by one (in an outage each fails fast).
@@ -86,8 +100,9 @@ impl InboxWriter {
                                 {
                                     on_stored(&b.threads);
                                 }
-                                let r = r.map(|mut b| b.results.remove(0));
-                                let _ = reply.send(r);
+                                let unmarked = r.as_ref().map(|b| b.unmarked.clone()).unwrap_or_default();
+                                let _ = reply.send(r.map(|mut b| b.results.remove(0)));
+                                mark_unmarked(&store, &unmarked, &*on_stored).await;
                             }
                         }
                         Err(e) => {

@@ -243,8 +243,9 @@ impl Engine {
                 );
                 if self.save(&mut op, &[t], None).await? {
                     tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %created.decision_id, "decision opened");
-                    // An answer that came so early it was marked orphaned is live again.
-                    self.store.revive_orphan(&op.tenant, &created.decision_id).await?;
+                    // An answer that came before the id was known (orphaned,
+                    // or stored while this save ran) goes to work now.
+                    self.store.mark_early_answer(&op.tenant, &created.decision_id).await?;
                 }
             }
             Err(PusharyError::Status { status: 409, message, .. })

@@ -302,3 +302,162 @@ async fn the_inbox_indexes_correlation_ids_once_its_unique_key() {
     assert_eq!(app.inbox_len().await, 1);
 }
 }
+
+/// Runs `body` on PostgreSQL only (with `APPROVALD_TEST_PG_URL`; loudly
+/// skipped without it): the races below need concurrent writers, which
+/// SQLite's one writer never has.
+async fn on_postgres(test: &str, body: impl std::future::Future<Output = ()>) {
+    if let Some(backend) = crate::harness::Backend::postgres(test) {
+        crate::harness::BACKEND.scope(backend, body).await;
+    }
+}
+
+/// A trigger that makes `event` on `table` wait, after its statement took
+/// its snapshot, while the session lock `KEY` is held elsewhere: the way
+/// to line two committing writers up at will.
+const KEY: i64 = 8128;
+
+async fn hold_at(app: &TestApp, table: &str, event: &str, when: &str) -> sqlx::PgConnection {
+    use sqlx::Connection as _;
+    let pool = app.store().pg_pool().expect("PostgreSQL");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION test_hold() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+         IF {when} THEN PERFORM pg_advisory_xact_lock({KEY}); END IF; RETURN NEW; END $$"
+    )))
+    .execute(pool)
+    .await
+    .expect("trigger function");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TRIGGER test_hold BEFORE {event} ON {table} FOR EACH ROW EXECUTE FUNCTION test_hold()"
+    )))
+    .execute(pool)
+    .await
+    .expect("trigger");
+    let mut lock = sqlx::PgConnection::connect(&app.store_url()).await.expect("connects");
+    sqlx::query("SELECT pg_advisory_lock($1)").bind(KEY).execute(&mut lock).await.expect("locks");
+    lock
+}
+
+/// Waits (bounded) until a writer waits at the trigger of `hold_at`.
+async fn wait_held(app: &TestApp) {
+    let pool = app.store().pg_pool().expect("PostgreSQL");
+    let start = std::time::Instant::now();
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND objid = $1 AND objsubid = 1",
+        )
+        .bind(KEY)
+        .fetch_one(pool)
+        .await
+        .expect("pg_locks");
+        if waiting > 0 {
+            return;
+        }
+        assert!(start.elapsed() < crate::harness::WAIT, "no writer reached the trigger");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// Drives the engine by hand until the operation succeeds (bounded).
+async fn drain_until_succeeded(app: &TestApp, id: &str) -> serde_json::Value {
+    let start = std::time::Instant::now();
+    loop {
+        app.drain().await;
+        let op = app.get(id).await;
+        if op["state"] == "succeeded" {
+            return op;
+        }
+        assert!(
+            start.elapsed() < crate::harness::WAIT,
+            "the answer waiting in the inbox was never applied: {op:#}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+// The callback commits while the save that records its decision id is
+// running: the callback's statement did not see the id (not committed),
+// and the save's did not see the callback (not committed when it began).
+// Neither marked the answer as waiting. Here the callback is stored by
+// another replica's receiver that stops before it looks again (below), so
+// only the statement run after every open is left to find it: at once,
+// not at the poll a minute later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callback_committed_while_its_decision_id_is_saved_is_applied_at_once() {
+    on_postgres(module_path!(), async {
+        let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+        let id = app.enqueue_ok(&confirm("race-open")).await;
+        let decision = app.create_decision_first(&id).await;
+        app.sandbox.answer(&decision, "yes", CallbackMode::Drop).await.expect("answer");
+        let mut lock =
+            hold_at(&app, "operations", "UPDATE", "OLD.decision_id IS NULL AND NEW.decision_id IS NOT NULL").await;
+        let engine = std::sync::Arc::clone(&app.engine);
+        let opener = tokio::spawn(async move { while engine.try_execute_task().await.expect("store") {} });
+        wait_held(&app).await;
+        let (body, _) = app.signed_callback(&decision, "yes");
+        let pool = app.store().pg_pool().expect("PostgreSQL");
+        sqlx::query(
+            "INSERT INTO inbox (tenant, correlation_id, answer, body, body_sha256, source, state, received_at) \
+             VALUES ('default', $1, 'yes', $2, 'x', 'callback', 'new', 1)",
+        )
+        .bind(&decision)
+        .bind(&body)
+        .execute(pool)
+        .await
+        .expect("stored while the open is saved");
+        let marked: i64 = sqlx::query_scalar("SELECT count(*) FROM operations WHERE inbox_at IS NOT NULL")
+            .fetch_one(pool)
+            .await
+            .expect("reads");
+        assert_eq!(marked, 0, "the open is not committed: nothing is marked");
+        sqlx::query("SELECT pg_advisory_unlock($1)").bind(KEY).execute(&mut lock).await.expect("unlocks");
+        tokio::time::timeout(crate::harness::WAIT, opener).await.expect("the opener finishes").expect("joins");
+        let op = drain_until_succeeded(&app, &id).await;
+        assert_eq!(op["decisionId"], decision);
+        assert_eq!(app.sandbox.consume_calls(&decision), 1);
+        assert_eq!(app.deliveries_for(&id).len(), 1);
+    })
+    .await;
+}
+
+// The other order: the save that records the decision id commits while the
+// callback's statement is running. The callback's statement did not see
+// the id (its snapshot is older), and the statement after the open did not
+// see the callback (not committed yet). The receiver marks it after its
+// commit, once more, by a statement of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_id_saved_while_its_callback_is_stored_is_applied_at_once() {
+    on_postgres(module_path!(), async {
+        let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+        let id = app.enqueue_ok(&confirm("race-inbox")).await;
+        let decision = app.create_decision_first(&id).await;
+        app.sandbox.answer(&decision, "yes", CallbackMode::Drop).await.expect("answer");
+        let mut lock = hold_at(&app, "inbox", "INSERT", "true").await;
+        let (body, sig) = app.signed_callback(&decision, "yes");
+        let (http, url) = (app.http.clone(), format!("{}/v1/callbacks/pushary", app.base));
+        let callback = tokio::spawn(async move {
+            let resp = http
+                .post(url)
+                .header("content-type", "application/json")
+                .header("X-Pushary-Signature", sig)
+                .body(body)
+                .send()
+                .await
+                .expect("callback request");
+            resp.status().as_u16()
+        });
+        wait_held(&app).await;
+        app.drain().await;
+        assert_eq!(app.get(&id).await["state"], "pending", "opened while its callback is being stored");
+        sqlx::query("SELECT pg_advisory_unlock($1)").bind(KEY).execute(&mut lock).await.expect("unlocks");
+        let status =
+            tokio::time::timeout(crate::harness::WAIT, callback).await.expect("answered").expect("joins");
+        assert_eq!(status, 200);
+        let op = drain_until_succeeded(&app, &id).await;
+        assert_eq!(op["decisionId"], decision);
+        assert_eq!(app.sandbox.consume_calls(&decision), 1);
+        assert_eq!(app.deliveries_for(&id).len(), 1);
+    })
+    .await;
+}
