@@ -74,19 +74,7 @@ pub async fn baseline(url: &str, clients: usize, secs: f64) -> anyhow::Result<f6
         pool.close().await;
         Ok(rate)
     } else {
-        use sqlx::ConnectOptions;
-        use std::str::FromStr;
-        // The same settings approvald uses: WAL, synchronous=FULL.
-        let path = url.trim_start_matches("sqlite://").to_string() + ".baseline";
-        let mut conn = sqlx::sqlite::SqliteConnectOptions::from_str(&format!("sqlite://{path}"))?
-            .create_if_missing(true)
-            .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-            .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
-            .connect()
-            .await?;
-        sqlx::query("CREATE TABLE IF NOT EXISTS bench_baseline (id INTEGER PRIMARY KEY, body TEXT NOT NULL)")
-            .execute(&mut conn)
-            .await?;
+        let mut conn = sqlite_baseline(url).await?;
         let start = Instant::now();
         let mut n = 0u64;
         while start.elapsed() < run {
@@ -100,6 +88,65 @@ pub async fn baseline(url: &str, clients: usize, secs: f64) -> anyhow::Result<f6
         sqlx::query("DELETE FROM bench_baseline").execute(&mut conn).await?;
         Ok(rate)
     }
+}
+
+/// The baseline's SQLite file beside the store's, with the settings
+/// approvald uses (WAL, synchronous=FULL), and its table.
+async fn sqlite_baseline(url: &str) -> anyhow::Result<sqlx::SqliteConnection> {
+    use sqlx::ConnectOptions;
+    use std::str::FromStr;
+    let path = url.trim_start_matches("sqlite://").to_string() + ".baseline";
+    let mut conn = sqlx::sqlite::SqliteConnectOptions::from_str(&format!("sqlite://{path}"))?
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
+        .connect()
+        .await?;
+    sqlx::query("CREATE TABLE IF NOT EXISTS bench_baseline (id INTEGER PRIMARY KEY, body TEXT NOT NULL)")
+        .execute(&mut conn)
+        .await?;
+    Ok(conn)
+}
+
+/// The latency of `n` single-row durable commits on one connection, each
+/// after `pause` with nothing to do, as a single approval's commits come
+/// (an idle machine's first commit costs several back-to-back ones: on
+/// the build machine, pgbench at 10 commits/s measured 1.8 ms each, 0.35
+/// ms back to back, and a lone `SELECT 1` 0.7 ms). The floor under a
+/// single approval, which waits for three such commits in turn.
+pub async fn commit_latencies(url: &str, n: usize, pause: Duration) -> anyhow::Result<Vec<Duration>> {
+    use sqlx::Connection as _;
+    let body = String::from_utf8(payload("dec_baseline")).expect("ascii");
+    let mut times = Vec::with_capacity(n);
+    if url.starts_with("postgres") {
+        let mut conn = sqlx::PgConnection::connect(url).await.context("commit latency: connecting")?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS bench_baseline (id BIGSERIAL PRIMARY KEY, body TEXT NOT NULL)",
+        )
+        .execute(&mut conn)
+        .await?;
+        for _ in 0..n {
+            let t = Instant::now();
+            sqlx::query("INSERT INTO bench_baseline (body) VALUES ($1)")
+                .bind(&body)
+                .execute(&mut conn)
+                .await?;
+            times.push(t.elapsed());
+        }
+        conn.close().await?;
+    } else {
+        let mut conn = sqlite_baseline(url).await?;
+        for _ in 0..n {
+            tokio::time::sleep(pause).await;
+            let t = Instant::now();
+            sqlx::query("INSERT INTO bench_baseline (body) VALUES ($1)")
+                .bind(&body)
+                .execute(&mut conn)
+                .await?;
+            times.push(t.elapsed());
+        }
+    }
+    Ok(times)
 }
 
 /// What an ingest run measured.

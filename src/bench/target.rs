@@ -120,12 +120,13 @@ impl Daemon {
             .arg(&config)
             .stdin(Stdio::null())
             // APPROVALD_BENCH_LOG=FILE keeps the daemon's log (its level
-            // from APPROVALD_LOG__FILTER) for profiling a run.
-            .stdout(match std::env::var_os("APPROVALD_BENCH_LOG") {
+            // from APPROVALD_LOG__FILTER) for profiling a run; the log is
+            // written to stderr.
+            .stdout(Stdio::null())
+            .stderr(match std::env::var_os("APPROVALD_BENCH_LOG") {
                 Some(path) => Stdio::from(std::fs::OpenOptions::new().create(true).append(true).open(path)?),
-                None => Stdio::null(),
+                None => Stdio::inherit(),
             })
-            .stderr(Stdio::inherit())
             .spawn()
             .context("starting approvald serve")?;
         let base = format!("http://127.0.0.1:{port}");

@@ -918,9 +918,14 @@ impl Store {
             return Ok(Vec::new());
         }
         let rows = sqlx::query(
-            "UPDATE operations o SET inbox_at = i.received_at FROM inbox i WHERE i.id = ANY($1) \
-             AND i.state = 'new' AND o.inbox_at IS NULL AND o.decision_id IS NOT NULL \
-             AND o.tenant = i.tenant AND o.decision_id = i.correlation_id RETURNING o.tenant, o.thread_id",
+            // From the rows to their operations, by the operations'
+            // decision index: left to the planner, the join went the other
+            // way, a scan of `operations`, on an inbox it thought large.
+            "WITH i AS MATERIALIZED (SELECT tenant, correlation_id, received_at FROM inbox \
+               WHERE id = ANY($1) AND state = 'new') \
+             UPDATE operations o SET inbox_at = i.received_at FROM i WHERE o.tenant = i.tenant \
+             AND o.decision_id = i.correlation_id AND o.decision_id IS NOT NULL AND o.inbox_at IS NULL \
+             RETURNING o.tenant, o.thread_id",
         )
         .bind(ids)
         .fetch_all(pool)
