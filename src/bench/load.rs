@@ -118,6 +118,19 @@ pub async fn commit_latencies(url: &str, n: usize, pause: Duration) -> anyhow::R
     use sqlx::Connection as _;
     let body = String::from_utf8(payload("dec_baseline")).expect("ascii");
     let mut times = Vec::with_capacity(n);
+    macro_rules! timed_commits {
+        ($conn:ident) => {
+            for _ in 0..n {
+                tokio::time::sleep(pause).await;
+                let t = Instant::now();
+                sqlx::query("INSERT INTO bench_baseline (body) VALUES ($1)")
+                    .bind(&body)
+                    .execute(&mut $conn)
+                    .await?;
+                times.push(t.elapsed());
+            }
+        };
+    }
     if url.starts_with("postgres") {
         let mut conn = sqlx::PgConnection::connect(url).await.context("commit latency: connecting")?;
         sqlx::query(
@@ -125,26 +138,11 @@ pub async fn commit_latencies(url: &str, n: usize, pause: Duration) -> anyhow::R
         )
         .execute(&mut conn)
         .await?;
-        for _ in 0..n {
-            let t = Instant::now();
-            sqlx::query("INSERT INTO bench_baseline (body) VALUES ($1)")
-                .bind(&body)
-                .execute(&mut conn)
-                .await?;
-            times.push(t.elapsed());
-        }
+        timed_commits!(conn);
         conn.close().await?;
     } else {
         let mut conn = sqlite_baseline(url).await?;
-        for _ in 0..n {
-            tokio::time::sleep(pause).await;
-            let t = Instant::now();
-            sqlx::query("INSERT INTO bench_baseline (body) VALUES ($1)")
-                .bind(&body)
-                .execute(&mut conn)
-                .await?;
-            times.push(t.elapsed());
-        }
+        timed_commits!(conn);
     }
     Ok(times)
 }
