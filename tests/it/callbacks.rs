@@ -359,6 +359,16 @@ async fn wait_held(app: &TestApp) {
     }
 }
 
+/// A manual app with an operation whose decision Pushary created and its
+/// human approved, with the callback not sent, before approvald opened it.
+async fn answered_before_opened(name: &str) -> (TestApp, String, String) {
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let id = app.enqueue_ok(&confirm(name)).await;
+    let decision = app.create_decision_first(&id).await;
+    app.sandbox.answer(&decision, "yes", CallbackMode::Drop).await.expect("answer");
+    (app, id, decision)
+}
+
 /// Drives the engine by hand until the operation succeeds (bounded).
 async fn drain_until_succeeded(app: &TestApp, id: &str) -> serde_json::Value {
     let start = std::time::Instant::now();
@@ -386,10 +396,7 @@ async fn drain_until_succeeded(app: &TestApp, id: &str) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_callback_committed_while_its_decision_id_is_saved_is_applied_at_once() {
     on_postgres(module_path!(), async {
-        let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
-        let id = app.enqueue_ok(&confirm("race-open")).await;
-        let decision = app.create_decision_first(&id).await;
-        app.sandbox.answer(&decision, "yes", CallbackMode::Drop).await.expect("answer");
+        let (app, id, decision) = answered_before_opened("race-open").await;
         let mut lock =
             hold_at(&app, "operations", "UPDATE", "OLD.decision_id IS NULL AND NEW.decision_id IS NOT NULL").await;
         let engine = std::sync::Arc::clone(&app.engine);
@@ -429,10 +436,7 @@ async fn a_callback_committed_while_its_decision_id_is_saved_is_applied_at_once(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decision_id_saved_while_its_callback_is_stored_is_applied_at_once() {
     on_postgres(module_path!(), async {
-        let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
-        let id = app.enqueue_ok(&confirm("race-inbox")).await;
-        let decision = app.create_decision_first(&id).await;
-        app.sandbox.answer(&decision, "yes", CallbackMode::Drop).await.expect("answer");
+        let (app, id, decision) = answered_before_opened("race-inbox").await;
         let mut lock = hold_at(&app, "inbox", "INSERT", "true").await;
         let (body, sig) = app.signed_callback(&decision, "yes");
         let (http, url) = (app.http.clone(), format!("{}/v1/callbacks/pushary", app.base));
