@@ -110,16 +110,20 @@ async fn sqlite_baseline(url: &str) -> anyhow::Result<sqlx::SqliteConnection> {
 
 /// The latency of `n` single-row durable commits on one connection, each
 /// after `pause` with nothing to do, as a single approval's commits come
-/// (an idle machine's first commit costs several back-to-back ones: on
-/// the build machine, pgbench at 10 commits/s measured 1.8 ms each, 0.35
-/// ms back to back, and a lone `SELECT 1` 0.7 ms). The floor under a
-/// single approval, which waits for three such commits in turn.
+/// (a lone commit costs several back-to-back ones; docs/performance.md).
+/// The floor under a single approval, which waits for three in turn. The
+/// connection's first insert (its statement prepared, its caches cold)
+/// is not timed, and the rows are deleted after.
 pub async fn commit_latencies(url: &str, n: usize, pause: Duration) -> anyhow::Result<Vec<Duration>> {
     use sqlx::Connection as _;
     let body = String::from_utf8(payload("dec_baseline")).expect("ascii");
     let mut times = Vec::with_capacity(n);
     macro_rules! timed_commits {
         ($conn:ident) => {
+            sqlx::query("INSERT INTO bench_baseline (body) VALUES ($1)")
+                .bind(&body)
+                .execute(&mut $conn)
+                .await?;
             for _ in 0..n {
                 tokio::time::sleep(pause).await;
                 let t = Instant::now();
@@ -129,6 +133,7 @@ pub async fn commit_latencies(url: &str, n: usize, pause: Duration) -> anyhow::R
                     .await?;
                 times.push(t.elapsed());
             }
+            sqlx::query("DELETE FROM bench_baseline").execute(&mut $conn).await?;
         };
     }
     if url.starts_with("postgres") {

@@ -834,7 +834,11 @@ impl Store {
             received_at: e.received_at,
         };
         let mut batch = self.insert_inbox_batch(std::slice::from_ref(&owned)).await?;
-        self.mark_stored_unmarked(&batch.unmarked).await?;
+        // Stored already: a failure here leaves the answer to the poll, as
+        // before, and is not the insert's.
+        if let Err(e) = self.mark_stored_unmarked(&batch.unmarked).await {
+            tracing::warn!(error = %e, "cannot look again for the operation of a stored answer");
+        }
         Ok(batch.results.remove(0))
     }
 
@@ -896,6 +900,12 @@ impl Store {
                 let mut tx = conn.begin().await?;
                 let results = inbox_repeats!(tx, entries, stored, now, threads);
                 tx.commit().await?;
+                // A repeat may have revived an orphan by a snapshot older
+                // than its operation's decision id: looked at again too.
+                unmarked.extend(results.iter().filter_map(|r| match r {
+                    InboxInsert::Duplicate(id) => Some(*id),
+                    _ => None,
+                }));
                 self.batch_done(results, threads)
             }
         };
@@ -911,16 +921,29 @@ impl Store {
     /// a waiting answer began before the row committed (see
     /// `mark_early_answer`). Begun after the row's commit, this one sees
     /// every decision id committed before it. Nearly always it finds
-    /// nothing: a callback for a decision no operation has opened.
+    /// nothing: a callback for a decision no operation has opened. It may
+    /// mark an operation whose answer a worker applied meanwhile (its
+    /// inbox row is read by its snapshot); such a stale mark wakes a worker
+    /// once, which finds no answer waiting and clears it.
     pub async fn mark_stored_unmarked(&self, ids: &[i64]) -> Result<Vec<(String, String)>, StoreError> {
         let Backend::Postgres(pool) = &self.backend else { return Ok(Vec::new()) };
-        if ids.is_empty() {
-            return Ok(Vec::new());
+        let mut threads = Vec::new();
+        // Chunks of a batch's size keep the plan the nested loop below:
+        // with thousands of ids the planner hashes a scan of `operations`.
+        for ids in ids.chunks(super::MAX_BATCH) {
+            Self::mark_stored_unmarked_chunk(pool, ids, &mut threads).await?;
         }
+        Ok(self.batch_done(Vec::new(), threads).threads)
+    }
+
+    async fn mark_stored_unmarked_chunk(
+        pool: &PgPool,
+        ids: &[i64],
+        threads: &mut Vec<(String, String)>,
+    ) -> Result<(), StoreError> {
         let rows = sqlx::query(
             // From the rows to their operations, by the operations'
-            // decision index: left to the planner, the join went the other
-            // way, a scan of `operations`, on an inbox it thought large.
+            // decision index (`EXPLAIN ANALYZE`: 0.36 ms for 40 rows).
             "WITH i AS MATERIALIZED (SELECT tenant, correlation_id, received_at FROM inbox \
                WHERE id = ANY($1) AND state = 'new') \
              UPDATE operations o SET inbox_at = i.received_at FROM i WHERE o.tenant = i.tenant \
@@ -930,11 +953,10 @@ impl Store {
         .bind(ids)
         .fetch_all(pool)
         .await?;
-        let threads = rows
-            .iter()
-            .map(|r| Ok((r.try_get("tenant")?, r.try_get("thread_id")?)))
-            .collect::<Result<_, StoreError>>()?;
-        Ok(self.batch_done(Vec::new(), threads).threads)
+        for r in &rows {
+            threads.push((r.try_get("tenant")?, r.try_get("thread_id")?));
+        }
+        Ok(())
     }
 
     /// A committed batch: other replicas are told when operations now

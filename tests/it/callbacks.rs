@@ -318,6 +318,12 @@ async fn on_postgres(test: &str, body: impl std::future::Future<Output = ()>) {
 const KEY: i64 = 8128;
 
 async fn hold_at(app: &TestApp, table: &str, event: &str, when: &str) -> sqlx::PgConnection {
+    hold(app, &format!("TRIGGER test_hold BEFORE {event} ON {table}"), when).await
+}
+
+/// `hold_at` with the trigger's clause given whole (`trigger`: from
+/// `CREATE` up to `FOR EACH ROW`).
+async fn hold(app: &TestApp, trigger: &str, when: &str) -> sqlx::PgConnection {
     use sqlx::Connection as _;
     let pool = app.store().pg_pool().expect("PostgreSQL");
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -327,12 +333,10 @@ async fn hold_at(app: &TestApp, table: &str, event: &str, when: &str) -> sqlx::P
     .execute(pool)
     .await
     .expect("trigger function");
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE TRIGGER test_hold BEFORE {event} ON {table} FOR EACH ROW EXECUTE FUNCTION test_hold()"
-    )))
-    .execute(pool)
-    .await
-    .expect("trigger");
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE {trigger} FOR EACH ROW EXECUTE FUNCTION test_hold()")))
+        .execute(pool)
+        .await
+        .expect("trigger");
     let mut lock = sqlx::PgConnection::connect(&app.store_url()).await.expect("connects");
     sqlx::query("SELECT pg_advisory_lock($1)").bind(KEY).execute(&mut lock).await.expect("locks");
     lock
@@ -344,8 +348,11 @@ async fn wait_held(app: &TestApp) {
     let start = std::time::Instant::now();
     loop {
         let waiting: i64 = sqlx::query_scalar(
+            // Advisory locks are per database, and pg_locks shows the
+            // cluster's: another test's waiter must not count.
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-             AND objid = $1 AND objsubid = 1",
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             AND classid = 0 AND objid = $1 AND objsubid = 1",
         )
         .bind(KEY)
         .fetch_one(pool)
@@ -458,6 +465,80 @@ async fn a_decision_id_saved_while_its_callback_is_stored_is_applied_at_once() {
         let status =
             tokio::time::timeout(crate::harness::WAIT, callback).await.expect("answered").expect("joins");
         assert_eq!(status, 200);
+        let op = drain_until_succeeded(&app, &id).await;
+        assert_eq!(op["decisionId"], decision);
+        assert_eq!(app.sandbox.consume_calls(&decision), 1);
+        assert_eq!(app.deliveries_for(&id).len(), 1);
+    })
+    .await;
+}
+
+// A repeat of a callback revives its orphaned row by a snapshot older than
+// the save that records the decision id, and commits after that save,
+// while the statement after the open waits for the row and then finds it
+// neither orphaned (revived since) nor new (by its own snapshot). The
+// receiver's second look takes revived rows too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revived_orphan_committed_after_its_decision_id_is_applied_at_once() {
+    on_postgres(module_path!(), async {
+        let (app, id, decision) = answered_before_opened("race-revive").await;
+        let (body, sig) = app.signed_callback(&decision, "yes");
+        let pool = app.store().pg_pool().expect("PostgreSQL");
+        sqlx::query(
+            "INSERT INTO inbox (tenant, correlation_id, answer, body, body_sha256, source, state, received_at) \
+             VALUES ('default', $1, 'yes', $2, 'x', 'callback', 'orphaned', 1)",
+        )
+        .bind(&decision)
+        .bind(&body)
+        .execute(pool)
+        .await
+        .expect("an early answer, orphaned");
+        // At the repeat's commit, after its statements ran.
+        let mut lock = hold(
+            &app,
+            "CONSTRAINT TRIGGER test_hold AFTER UPDATE ON inbox DEFERRABLE INITIALLY DEFERRED",
+            "OLD.state = 'orphaned' AND NEW.state = 'new'",
+        )
+        .await;
+        let (http, url) = (app.http.clone(), format!("{}/v1/callbacks/pushary", app.base));
+        let callback = tokio::spawn(async move {
+            let resp = http
+                .post(url)
+                .header("content-type", "application/json")
+                .header("X-Pushary-Signature", sig)
+                .body(body)
+                .send()
+                .await
+                .expect("callback request");
+            resp.status().as_u16()
+        });
+        wait_held(&app).await;
+        let engine = std::sync::Arc::clone(&app.engine);
+        let opener = tokio::spawn(async move { while engine.try_execute_task().await.expect("store") {} });
+        let start = std::time::Instant::now();
+        while app.get(&id).await["state"] != "pending" {
+            assert!(start.elapsed() < crate::harness::WAIT, "the open never committed");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // The statement after the open waits for the repeat's row.
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND query LIKE 'WITH r AS%'",
+            )
+            .fetch_one(pool)
+            .await
+            .expect("pg_stat_activity");
+            if waiting > 0 {
+                break;
+            }
+            assert!(start.elapsed() < crate::harness::WAIT, "the statement after the open never waited");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        sqlx::query("SELECT pg_advisory_unlock($1)").bind(KEY).execute(&mut lock).await.expect("unlocks");
+        let status = tokio::time::timeout(crate::harness::WAIT, callback).await.expect("answered").expect("joins");
+        assert_eq!(status, 200);
+        tokio::time::timeout(crate::harness::WAIT, opener).await.expect("the opener finishes").expect("joins");
         let op = drain_until_succeeded(&app, &id).await;
         assert_eq!(op["decisionId"], decision);
         assert_eq!(app.sandbox.consume_calls(&decision), 1);
