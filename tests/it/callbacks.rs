@@ -376,6 +376,40 @@ async fn answered_before_opened(name: &str) -> (TestApp, String, String) {
     (app, id, decision)
 }
 
+/// Lets the writer held by `hold` go, and checks the callback posted
+/// meanwhile is acknowledged.
+async fn release_and_expect_stored(lock: &mut sqlx::PgConnection, callback: tokio::task::JoinHandle<u16>) {
+    sqlx::query("SELECT pg_advisory_unlock($1)").bind(KEY).execute(&mut *lock).await.expect("unlocks");
+    let status =
+        tokio::time::timeout(crate::harness::WAIT, callback).await.expect("answered").expect("joins");
+    assert_eq!(status, 200);
+}
+
+/// Posts a signed callback from a task of its own; yields its status.
+fn post_in_background(app: &TestApp, body: Vec<u8>, sig: String) -> tokio::task::JoinHandle<u16> {
+    let (http, url) = (app.http.clone(), format!("{}/v1/callbacks/pushary", app.base));
+    tokio::spawn(async move {
+        let resp = http
+            .post(url)
+            .header("content-type", "application/json")
+            .header("X-Pushary-Signature", sig)
+            .body(body)
+            .send()
+            .await
+            .expect("callback request");
+        resp.status().as_u16()
+    })
+}
+
+/// Drives the engine until the operation succeeds (bounded), resumed
+/// once: one consume, one delivery.
+async fn applied_once(app: &TestApp, id: &str, decision: &str) {
+    let op = drain_until_succeeded(app, id).await;
+    assert_eq!(op["decisionId"], decision);
+    assert_eq!(app.sandbox.consume_calls(decision), 1);
+    assert_eq!(app.deliveries_for(id).len(), 1);
+}
+
 /// Drives the engine by hand until the operation succeeds (bounded).
 async fn drain_until_succeeded(app: &TestApp, id: &str) -> serde_json::Value {
     let start = std::time::Instant::now();
@@ -427,10 +461,7 @@ async fn a_callback_committed_while_its_decision_id_is_saved_is_applied_at_once(
         assert_eq!(marked, 0, "the open is not committed: nothing is marked");
         sqlx::query("SELECT pg_advisory_unlock($1)").bind(KEY).execute(&mut lock).await.expect("unlocks");
         tokio::time::timeout(crate::harness::WAIT, opener).await.expect("the opener finishes").expect("joins");
-        let op = drain_until_succeeded(&app, &id).await;
-        assert_eq!(op["decisionId"], decision);
-        assert_eq!(app.sandbox.consume_calls(&decision), 1);
-        assert_eq!(app.deliveries_for(&id).len(), 1);
+        applied_once(&app, &id, &decision).await;
     })
     .await;
 }
@@ -446,29 +477,12 @@ async fn a_decision_id_saved_while_its_callback_is_stored_is_applied_at_once() {
         let (app, id, decision) = answered_before_opened("race-inbox").await;
         let mut lock = hold_at(&app, "inbox", "INSERT", "true").await;
         let (body, sig) = app.signed_callback(&decision, "yes");
-        let (http, url) = (app.http.clone(), format!("{}/v1/callbacks/pushary", app.base));
-        let callback = tokio::spawn(async move {
-            let resp = http
-                .post(url)
-                .header("content-type", "application/json")
-                .header("X-Pushary-Signature", sig)
-                .body(body)
-                .send()
-                .await
-                .expect("callback request");
-            resp.status().as_u16()
-        });
+        let callback = post_in_background(&app, body, sig);
         wait_held(&app).await;
         app.drain().await;
         assert_eq!(app.get(&id).await["state"], "pending", "opened while its callback is being stored");
-        sqlx::query("SELECT pg_advisory_unlock($1)").bind(KEY).execute(&mut lock).await.expect("unlocks");
-        let status =
-            tokio::time::timeout(crate::harness::WAIT, callback).await.expect("answered").expect("joins");
-        assert_eq!(status, 200);
-        let op = drain_until_succeeded(&app, &id).await;
-        assert_eq!(op["decisionId"], decision);
-        assert_eq!(app.sandbox.consume_calls(&decision), 1);
-        assert_eq!(app.deliveries_for(&id).len(), 1);
+        release_and_expect_stored(&mut lock, callback).await;
+        applied_once(&app, &id, &decision).await;
     })
     .await;
 }
@@ -500,18 +514,7 @@ async fn a_revived_orphan_committed_after_its_decision_id_is_applied_at_once() {
             "OLD.state = 'orphaned' AND NEW.state = 'new'",
         )
         .await;
-        let (http, url) = (app.http.clone(), format!("{}/v1/callbacks/pushary", app.base));
-        let callback = tokio::spawn(async move {
-            let resp = http
-                .post(url)
-                .header("content-type", "application/json")
-                .header("X-Pushary-Signature", sig)
-                .body(body)
-                .send()
-                .await
-                .expect("callback request");
-            resp.status().as_u16()
-        });
+        let callback = post_in_background(&app, body, sig);
         wait_held(&app).await;
         let engine = std::sync::Arc::clone(&app.engine);
         let opener = tokio::spawn(async move { while engine.try_execute_task().await.expect("store") {} });
@@ -535,14 +538,9 @@ async fn a_revived_orphan_committed_after_its_decision_id_is_applied_at_once() {
             assert!(start.elapsed() < crate::harness::WAIT, "the statement after the open never waited");
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
         }
-        sqlx::query("SELECT pg_advisory_unlock($1)").bind(KEY).execute(&mut lock).await.expect("unlocks");
-        let status = tokio::time::timeout(crate::harness::WAIT, callback).await.expect("answered").expect("joins");
-        assert_eq!(status, 200);
+        release_and_expect_stored(&mut lock, callback).await;
         tokio::time::timeout(crate::harness::WAIT, opener).await.expect("the opener finishes").expect("joins");
-        let op = drain_until_succeeded(&app, &id).await;
-        assert_eq!(op["decisionId"], decision);
-        assert_eq!(app.sandbox.consume_calls(&decision), 1);
-        assert_eq!(app.deliveries_for(&id).len(), 1);
+        applied_once(&app, &id, &decision).await;
     })
     .await;
 }
