@@ -399,6 +399,8 @@ pub struct Store {
     pub(super) sqlite_group: Option<std::sync::Arc<SqliteGroup>>,
     /// SQLite: the saves waiting for the writer, run in batches (`save`).
     pub(super) sqlite_saves: Option<std::sync::Arc<super::save::SaveQueue>>,
+    /// PostgreSQL: the saves, run in batches (`save`).
+    pub(super) pg_saves: Option<std::sync::Arc<super::save::PgSaveQueue>>,
     work_signal: std::sync::Arc<WorkSignal>,
 }
 
@@ -460,7 +462,11 @@ impl Store {
             instance: format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
         });
         let sqlite_saves = sqlite_group.as_ref().map(super::save::SaveQueue::new);
-        Ok(Self { backend, sqlite_group, sqlite_saves, work_signal })
+        let pg_saves = match &backend {
+            Backend::Postgres(pool) => Some(super::save::PgSaveQueue::new(pool.clone())),
+            Backend::Sqlite(_) => None,
+        };
+        Ok(Self { backend, sqlite_group, sqlite_saves, pg_saves, work_signal })
     }
 
     /// SQLite: how much of the time since the store was opened its one

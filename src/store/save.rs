@@ -2,18 +2,15 @@
 //! transitions, the inbox row it consumed, the Pushary calls and delivery
 //! attempt it made, and the release of the thread's next held-back answer.
 //!
-//! It is the hottest write (four or five per approval), so each engine
-//! gets the fewest round trips it allows (docs/decisions.md §15): on
-//! PostgreSQL one statement of data-modifying CTEs, committed on its own
-//! (no BEGIN/COMMIT round trips); on SQLite one statement, whose trigger
-//! does the work, for every save queued by then (save/sqlite.rs: each
-//! statement is a hand-off to sqlx's connection thread and back, which
-//! every other writer waits behind). Rows of any number go in as one JSON
-//! array parameter, so the statement texts are few and fixed, each
-//! prepared once per connection.
+//! It is the hottest write (four or five per approval), so on both engines
+//! the saves queued while others run go in together (docs/decisions.md §15,
+//! §16, §19): one statement for a batch of saves, whose trigger (SQLite,
+//! save/sqlite.rs) or function (PostgreSQL, save/postgres.rs) does each
+//! save's work, written once here as macros with `$n` for the n-th value.
+//! The JSON-array values (transitions, calls, deliveries) keep the texts
+//! few and fixed, each prepared once per connection.
 
 use serde_json::{Value, json};
-use sqlx::Row as _;
 
 use super::StoreError;
 use super::db::{Backend, Store};
@@ -68,58 +65,128 @@ macro_rules! release_next_answer {
     };
 }
 
+mod postgres;
 mod sqlite;
+pub(super) use postgres::PgSaveQueue;
 pub(super) use sqlite::SaveQueue;
+use std::sync::Arc;
 
-/// PostgreSQL: everything in one statement, so one round trip and one
-/// implicit transaction. Sub-statements share one snapshot, which is why
-/// the release of the next answer names the saved operation (`<> $19`)
-/// instead of reading its new state.
-const PG_UPDATE: &str = concat!("WITH u AS (", update_operation!(), " RETURNING id)");
-const PG_DELIVERIES: &str = ", d AS (INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, \
-       status_code, error, response_body) SELECT r.operation_id, r.attempt, r.started_at, r.duration_ms, \
-       r.status_code, r.error, r.response_body FROM jsonb_to_recordset($26::text::jsonb) AS r(operation_id text, \
-       attempt bigint, started_at bigint, duration_ms bigint, status_code bigint, error text, response_body text))";
-const PG_CALLS: &str = ", c AS (INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code, \
-       error) SELECT r.operation_id, r.call, r.started_at, r.duration_ms, r.status_code, r.error \
-       FROM jsonb_to_recordset($27::text::jsonb) AS r(operation_id text, call text, started_at bigint, \
-       duration_ms bigint, status_code bigint, error text))";
-const PG_TRANSITIONS: &str = ", t AS (INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) \
-       SELECT u.id, r.\"from\", r.\"to\", r.at, r.cause, r.actor FROM u, \
-       jsonb_to_recordset($25::text::jsonb) AS r(\"from\" text, \"to\" text, at bigint, cause text, actor text))";
-const PG_RELEASE: &str = concat!(
-    ", n AS (",
-    release_next_answer!("$19", "$24", "$30", "$18"),
-    " AND $28 AND EXISTS (SELECT 1 FROM u))"
-);
-const PG_INBOX: &str = ", i AS (UPDATE inbox SET state = $31, note = $32, operation_id = $19, processed_at = $18 \
-       WHERE id = $29 AND EXISTS (SELECT 1 FROM u))";
+/// What a save binds, in `bind_all!`'s order (`$n` is the n-th), then its
+/// place in its batch: the columns of SQLite's save table and the fields
+/// of PostgreSQL's batch rows, which the two engines' save texts name in
+/// place of `$n` (`params_as_fields`).
+const SAVE_COLUMNS: [&str; 33] = [
+    "state",
+    "decision_id",
+    "answer",
+    "permit_id",
+    "delivery",
+    "outcome_status",
+    "result",
+    "receipt",
+    "receipt_outcome",
+    "consume_inflight",
+    "consume_attempts",
+    "delivery_inflight",
+    "attempts",
+    "last_error",
+    "due_at",
+    "poll_at",
+    "opened_at",
+    "updated_at",
+    "id",
+    "version",
+    "resume_seq",
+    "clear_inbox_at",
+    "opened_now",
+    "tenant",
+    "transitions",
+    "deliveries",
+    "calls",
+    "release_next",
+    "inbox_id",
+    "thread_id",
+    "inbox_state",
+    "inbox_note",
+    "seq",
+];
 
-/// The PostgreSQL save with only the sub-statements this one needs
-/// (`parts`: deliveries, calls, transitions, release, inbox, as bits).
-/// Every sub-statement is a table opened with all its indexes, a plan node
-/// set up and a trigger queue run on every execution, written rows or not:
-/// `perf` put a fifth of PostgreSQL's time in executor start and finish.
-/// The 32 texts are built once; each is prepared once per connection.
-fn pg_save(parts: usize) -> &'static str {
-    static TEXTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    let texts = TEXTS.get_or_init(|| {
-        (0..32)
-            .map(|bits: usize| {
-                let mut sql = String::from(PG_UPDATE);
-                for (bit, part) in
-                    [PG_DELIVERIES, PG_CALLS, PG_TRANSITIONS, PG_RELEASE, PG_INBOX].iter().enumerate()
-                {
-                    if bits & (1 << bit) != 0 {
-                        sql.push_str(part);
-                    }
-                }
-                sql.push_str(" SELECT count(*) AS saved FROM u");
-                sql
-            })
-            .collect()
-    });
-    &texts[parts & 31]
+/// `$n` → `<prefix><the n-th of SAVE_COLUMNS>`: a trigger or a function
+/// reads a row's fields, not parameters. A `$` not followed by a
+/// parameter's number (`'$.from'`, a JSON path) is kept as it is.
+fn params_as_fields(sql: &str, prefix: &str) -> String {
+    let mut out = String::with_capacity(sql.len() * 2);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits = rest[at + 1..].bytes().take_while(u8::is_ascii_digit).count();
+        match rest[at + 1..at + 1 + digits].parse::<usize>() {
+            Ok(n) if (1..SAVE_COLUMNS.len()).contains(&n) => {
+                out.push_str(prefix);
+                out.push_str(SAVE_COLUMNS[n - 1]);
+            }
+            _ => out.push_str(&rest[at..at + 1 + digits]),
+        }
+        rest = &rest[at + 1 + digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A value of a save's row, owned: it is bound by the task that runs the
+/// batch, after its caller has moved on to waiting. Text is shared, so
+/// binding it (again, if the batch is re-run save by save) copies nothing.
+#[derive(Debug)]
+pub(crate) enum SaveValue {
+    Text(Option<Arc<str>>),
+    Int(Option<i64>),
+}
+
+/// Collects what `bind_all!` binds, in its order.
+#[derive(Debug, Default)]
+pub(crate) struct Values(pub(crate) Vec<SaveValue>);
+
+impl Values {
+    pub(crate) fn bind(mut self, v: impl Into<SaveValue>) -> Self {
+        self.0.push(v.into());
+        self
+    }
+}
+
+impl From<&str> for SaveValue {
+    fn from(v: &str) -> Self {
+        SaveValue::Text(Some(v.into()))
+    }
+}
+impl From<&String> for SaveValue {
+    fn from(v: &String) -> Self {
+        SaveValue::Text(Some(v.as_str().into()))
+    }
+}
+impl From<&Option<String>> for SaveValue {
+    fn from(v: &Option<String>) -> Self {
+        SaveValue::Text(v.as_deref().map(Arc::from))
+    }
+}
+impl From<Option<&str>> for SaveValue {
+    fn from(v: Option<&str>) -> Self {
+        SaveValue::Text(v.map(Arc::from))
+    }
+}
+impl From<i64> for SaveValue {
+    fn from(v: i64) -> Self {
+        SaveValue::Int(Some(v))
+    }
+}
+impl From<Option<i64>> for SaveValue {
+    fn from(v: Option<i64>) -> Self {
+        SaveValue::Int(v)
+    }
+}
+impl From<bool> for SaveValue {
+    fn from(v: bool) -> Self {
+        SaveValue::Int(Some(i64::from(v)))
+    }
 }
 
 fn transitions_json(transitions: &[Transition]) -> String {
@@ -249,18 +316,13 @@ impl Store {
             inbox_note: inbox.and_then(|i| i.2),
         };
         let saved = match &self.backend {
-            Backend::Postgres(pool) => {
-                let parts = usize::from(op.unrecorded_delivery.is_some())
-                    | usize::from(!op.unrecorded_calls.is_empty()) << 1
-                    | usize::from(!transitions.is_empty()) << 2
-                    | usize::from(x.release_next) << 3
-                    | usize::from(inbox.is_some()) << 4;
-                let row = bind_all!(sqlx::query(pg_save(parts)), op, x).fetch_one(pool).await?;
-                row.try_get::<i64, _>("saved")? == 1
+            Backend::Postgres(_) => {
+                let queue = self.pg_saves.as_ref().expect("a PostgreSQL store has a save queue");
+                queue.save(bind_all!(Values::default(), op, x).0).await?
             }
             Backend::Sqlite(_) => {
                 let queue = self.sqlite_saves.as_ref().expect("a SQLite store has a save queue");
-                queue.save(bind_all!(sqlite::Values::default(), op, x)).await?
+                queue.save(bind_all!(Values::default(), op, x)).await?
             }
         };
         op.unrecorded_delivery = None;

@@ -33,44 +33,9 @@ use crate::store::sqlite_group::{Committed, SqliteGroup, Turn};
 /// The most saves one statement carries (33 values each).
 const MAX_BATCH: usize = 32;
 
-/// The columns of `approvald_save`, in the order `bind_all!` binds them
-/// (`$n` of the texts shared with PostgreSQL is `NEW.` the n-th), then the
-/// save's place in its batch.
-const COLUMNS: [&str; 33] = [
-    "state",
-    "decision_id",
-    "answer",
-    "permit_id",
-    "delivery",
-    "outcome_status",
-    "result",
-    "receipt",
-    "receipt_outcome",
-    "consume_inflight",
-    "consume_attempts",
-    "delivery_inflight",
-    "attempts",
-    "last_error",
-    "due_at",
-    "poll_at",
-    "opened_at",
-    "updated_at",
-    "id",
-    "version",
-    "resume_seq",
-    "clear_inbox_at",
-    "opened_now",
-    "tenant",
-    "transitions",
-    "deliveries",
-    "calls",
-    "release_next",
-    "inbox_id",
-    "thread_id",
-    "inbox_state",
-    "inbox_note",
-    "seq",
-];
+/// The columns of `approvald_save`: the save's values, then its place.
+use super::SAVE_COLUMNS as COLUMNS;
+use super::{SaveValue, Values};
 
 /// One save's statements, with the parameters of the texts shared with
 /// PostgreSQL (`$n`).
@@ -118,23 +83,7 @@ fn setup() -> &'static str {
 
 /// `$n` → `NEW.<the n-th column>`: a trigger has no parameters.
 fn with_new_columns(sql: &str) -> String {
-    let mut out = String::with_capacity(sql.len() * 2);
-    let mut rest = sql;
-    while let Some(at) = rest.find('$') {
-        out.push_str(&rest[..at]);
-        let digits = rest[at + 1..].bytes().take_while(u8::is_ascii_digit).count();
-        match rest[at + 1..at + 1 + digits].parse::<usize>() {
-            Ok(n) if (1..COLUMNS.len()).contains(&n) => {
-                out.push_str("NEW.");
-                out.push_str(COLUMNS[n - 1]);
-            }
-            // Not a parameter (`'$.from'`, a JSON path): kept as it is.
-            _ => out.push_str(&rest[at..at + 1 + digits]),
-        }
-        rest = &rest[at + 1 + digits..];
-    }
-    out.push_str(rest);
-    out
+    super::params_as_fields(sql, "NEW.")
 }
 
 /// The batch statement for `rows` rows (a power of two up to
@@ -153,62 +102,6 @@ fn batch_text(rows: usize) -> &'static str {
         let row = format!("({})", vec!["?"; COLUMNS.len()].join(", "));
         format!("{} INSERT INTO approvald_save VALUES {} RETURNING seq", setup(), vec![row; rows].join(", "))
     })
-}
-
-/// A value of a save's row, owned: it is bound by the task that runs the
-/// batch, after its caller has moved on to waiting. Text is shared, so
-/// binding it (again, if the batch is re-run save by save) copies nothing.
-#[derive(Debug)]
-pub(crate) enum SaveValue {
-    Text(Option<Arc<str>>),
-    Int(Option<i64>),
-}
-
-/// Collects what `bind_all!` binds, in its order.
-#[derive(Debug, Default)]
-pub(crate) struct Values(pub(crate) Vec<SaveValue>);
-
-impl Values {
-    pub(crate) fn bind(mut self, v: impl Into<SaveValue>) -> Self {
-        self.0.push(v.into());
-        self
-    }
-}
-
-impl From<&str> for SaveValue {
-    fn from(v: &str) -> Self {
-        SaveValue::Text(Some(v.into()))
-    }
-}
-impl From<&String> for SaveValue {
-    fn from(v: &String) -> Self {
-        SaveValue::Text(Some(v.as_str().into()))
-    }
-}
-impl From<&Option<String>> for SaveValue {
-    fn from(v: &Option<String>) -> Self {
-        SaveValue::Text(v.as_deref().map(Arc::from))
-    }
-}
-impl From<Option<&str>> for SaveValue {
-    fn from(v: Option<&str>) -> Self {
-        SaveValue::Text(v.map(Arc::from))
-    }
-}
-impl From<i64> for SaveValue {
-    fn from(v: i64) -> Self {
-        SaveValue::Int(Some(v))
-    }
-}
-impl From<Option<i64>> for SaveValue {
-    fn from(v: Option<i64>) -> Self {
-        SaveValue::Int(v)
-    }
-}
-impl From<bool> for SaveValue {
-    fn from(v: bool) -> Self {
-        SaveValue::Int(Some(i64::from(v)))
-    }
 }
 
 /// What a caller gets back: whether its save took, and the commit it
