@@ -1288,6 +1288,34 @@ impl Store {
         thread_id: &str,
         now: i64,
     ) -> Result<Option<ThreadWork>, StoreError> {
+        Ok(self.thread_work(tenant, thread_id, now, None).await?.0)
+    }
+
+    /// `next_work_for_thread` for the worker holding the thread's lease
+    /// as `owner`, which it gives up in the same statement when nothing is
+    /// due now (PostgreSQL; SQLite has no lease rows, §14): the last read
+    /// of every visit and the release were two round trips. Returns
+    /// whether the lease was given up. A callback committed after the
+    /// read's snapshot finds the lease still held and its worker passes
+    /// the thread by, as one committed between a read and a release of
+    /// their own did; the safety-net poll takes it.
+    pub async fn next_work_or_release(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        now: i64,
+        owner: &str,
+    ) -> Result<(Option<ThreadWork>, bool), StoreError> {
+        self.thread_work(tenant, thread_id, now, Some(owner)).await
+    }
+
+    async fn thread_work(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        now: i64,
+        release: Option<&str>,
+    ) -> Result<(Option<ThreadWork>, bool), StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
             // Two arms, each read through its per-thread index (migration
             // 0005). One WHERE with an OR let PostgreSQL's planner serve the
@@ -1319,24 +1347,39 @@ impl Store {
             // of planning per read, two reads per approval; `approvald
             // bench` growth 66%). Without it the two plans cost the same and
             // the cached one is kept.
-            let sql = if PG {
+            macro_rules! pg_thread_work {
+                () => {
+                    concat!(
+                        "SELECT ",
+                        op_cols!(),
+                        ", 1 AS answer_waits, i.* FROM operations o LEFT JOIN LATERAL (SELECT ",
+                        inbox_cols_as_i!(),
+                        ", ",
+                        held_back!("$2"),
+                        " AS i_held_back FROM inbox WHERE inbox.tenant = o.tenant \
+                           AND inbox.correlation_id = o.decision_id LIMIT 1) i ON i.i_state = 'new' \
+                         WHERE o.tenant = $1 AND o.thread_id = $2 AND o.inbox_at IS NOT NULL \
+                           AND o.decision_id IS NOT NULL \
+                         UNION ALL SELECT ",
+                        op_cols!(),
+                        ", 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL \
+                         FROM operations WHERE tenant = $1 AND thread_id = $2 AND due_at IS NOT NULL \
+                           AND (inbox_at IS NULL OR decision_id IS NULL)"
+                    )
+                };
+            }
+            // The lease goes when no row is work now, which is what the
+            // loop below finds from the same rows.
+            let sql = if PG && release.is_some() {
                 concat!(
-                    "SELECT ",
-                    op_cols!(),
-                    ", 1 AS answer_waits, i.* FROM operations o LEFT JOIN LATERAL (SELECT ",
-                    inbox_cols_as_i!(),
-                    ", ",
-                    held_back!("$2"),
-                    " AS i_held_back FROM inbox WHERE inbox.tenant = o.tenant \
-                       AND inbox.correlation_id = o.decision_id LIMIT 1) i ON i.i_state = 'new' \
-                     WHERE o.tenant = $1 AND o.thread_id = $2 AND o.inbox_at IS NOT NULL \
-                       AND o.decision_id IS NOT NULL \
-                     UNION ALL SELECT ",
-                    op_cols!(),
-                    ", 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL \
-                     FROM operations WHERE tenant = $1 AND thread_id = $2 AND due_at IS NOT NULL \
-                       AND (inbox_at IS NULL OR decision_id IS NULL)"
+                    "WITH w AS (",
+                    pg_thread_work!(),
+                    "), r AS (DELETE FROM thread_leases WHERE tenant = $1 AND thread_id = $2 AND owner = $4 \
+                       AND NOT EXISTS (SELECT 1 FROM w WHERE w.answer_waits = 1 OR w.due_at <= $3)) \
+                     SELECT * FROM w"
                 )
+            } else if PG {
+                pg_thread_work!()
             } else {
                 concat!(
                     "SELECT ",
@@ -1349,11 +1392,15 @@ impl Store {
                        AND (inbox_at IS NULL OR decision_id IS NULL)"
                 )
             };
-            let rows = sqlx::query(sql)
-            .bind(tenant)
-            .bind(thread_id)
-            .fetch_all(pool)
-            .await?;
+            let mut query = sqlx::query(sql).bind(tenant).bind(thread_id);
+            if PG && let Some(owner) = release {
+                query = query.bind(now).bind(owner);
+            }
+            let rows = query.fetch_all(pool).await?;
+            let released = PG
+                && release.is_some()
+                && !rows.iter().any(|row| row.try_get::<i32, _>("answer_waits").is_ok_and(|a| a == 1))
+                && !rows.iter().any(|row| row.try_get::<Option<i64>, _>("due_at").ok().flatten().is_some_and(|at| at <= now));
             let mut first: Option<(InboxEntry, Operation, bool)> = None;
             let mut decisions = Vec::new();
             let mut due: Option<Operation> = None;
@@ -1399,14 +1446,14 @@ impl Store {
                 }
             }
             if let Some((entry, op, held_back)) = first {
-                return Ok(Some(ThreadWork::Answer(Box::new(entry), op, held_back)));
+                return Ok((Some(ThreadWork::Answer(Box::new(entry), op, held_back)), false));
             }
             if !decisions.is_empty() {
                 // Marked, yet nothing waits: never expected, but a stale
                 // mark would make workers take this thread forever.
                 self.clear_stale_inbox_marks(tenant, &decisions).await?;
             }
-            Ok(due.map(ThreadWork::Due))
+            Ok((due.map(ThreadWork::Due), released))
         })
     }
 

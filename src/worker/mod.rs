@@ -270,9 +270,14 @@ impl Engine {
             }
             let result =
                 DUE_NEXT.scope(RefCell::new(None), self.work_thread(tenant, thread, &owner, shared)).await;
-            // Release even after an error, so the thread does not wait out the lease.
-            let released =
-                if shared { self.store.release_lease(tenant, thread, &owner).await } else { Ok(()) };
+            // Release even after an error, so the thread does not wait out
+            // the lease, unless the visit's last read gave it up.
+            let given_up = result.as_ref().is_ok_and(|given_up| *given_up);
+            let released = if shared && !given_up {
+                self.store.release_lease(tenant, thread, &owner).await
+            } else {
+                Ok(())
+            };
             result?;
             released?;
             return Ok(true);
@@ -312,13 +317,15 @@ impl Engine {
         }
     }
 
+    /// Does the thread's due work; returns whether the lease was given up
+    /// with the read that found no more (`Store::next_work_or_release`).
     async fn work_thread(
         &self,
         tenant: &str,
         thread: &str,
         owner: &str,
         leased: bool,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         // The lease was just taken; renewing it is a write, so it is done
         // only once a third of it has passed, not before every step (each
         // step's calls are bounded by timeouts shorter than the lease).
@@ -333,7 +340,7 @@ impl Engine {
                         thread_id = thread,
                         "lease lost; leaving the thread to its new owner"
                     );
-                    return Ok(());
+                    return Ok(false);
                 }
                 renewed = now;
             }
@@ -343,23 +350,24 @@ impl Engine {
             let saved = DUE_NEXT.try_with(|n| n.borrow_mut().take()).ok().flatten().filter(|op| {
                 op.tenant == tenant && op.thread_id == thread && op.due_at.is_some_and(|at| at <= now)
             });
-            let work = match saved {
-                Some(op) => Some(ThreadWork::Due(op)),
-                None => self.store.next_work_for_thread(tenant, thread, now).await?,
+            let (work, given_up) = match saved {
+                Some(op) => (Some(ThreadWork::Due(op)), false),
+                None if leased => self.store.next_work_or_release(tenant, thread, now, owner).await?,
+                None => (self.store.next_work_for_thread(tenant, thread, now).await?, false),
             };
             match work {
                 Some(ThreadWork::Answer(entry, op, held_back)) => {
                     self.apply_answer(*entry, op, held_back).await?
                 }
                 Some(ThreadWork::Due(op)) => self.step(op).await?,
-                None => return Ok(()),
+                None => return Ok(given_up),
             }
         }
         // Saves on a held thread tell no one (`Store::save_held`); work
         // left at the bound is offered to the other workers and replicas.
         self.wake();
         self.store.signal_work();
-        Ok(())
+        Ok(false)
     }
 
     /// Runs `concurrency` workers and the reconciler until `shutdown`.

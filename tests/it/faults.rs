@@ -435,3 +435,45 @@ async fn a_save_that_fails_beside_others_fails_alone_and_leaves_nothing_behind()
     }
 }
 }
+
+both_engines! {
+async fn the_visits_last_read_gives_up_the_lease_only_when_nothing_is_due() {
+    // On PostgreSQL the read that finds a held thread's work gives the
+    // lease up in the same statement when nothing is due now (the release
+    // was a round trip of its own); it keeps it while work is due.
+    let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+    let s = app.store();
+    let now = approvald::clock::now_ms();
+    async fn leases(app: &TestApp, thread: &str) -> i64 {
+        let pool = app.store().pg_pool().expect("PostgreSQL");
+        sqlx::query_scalar("SELECT count(*) FROM thread_leases WHERE thread_id = $1")
+            .bind(thread)
+            .fetch_one(pool)
+            .await
+            .expect("reads")
+    }
+    app.enqueue_ok(&confirm("due")).await;
+    assert!(s.acquire_lease("default", "thread-due", "w", now, now + 60_000).await.expect("lease"));
+    let (work, given_up) =
+        s.next_work_or_release("default", "thread-due", approvald::clock::now_ms(), "w").await.expect("reads");
+    assert!(work.is_some(), "the open step is due");
+    assert!(!given_up, "work is due: the lease is kept");
+    assert!(s.acquire_lease("default", "thread-idle", "w", now, now + 60_000).await.expect("lease"));
+    let (work, given_up) =
+        s.next_work_or_release("default", "thread-idle", approvald::clock::now_ms(), "w").await.expect("reads");
+    assert!(work.is_none());
+    if s.is_postgres() {
+        assert!(given_up, "nothing due: the lease is given up");
+        assert_eq!((leases(&app, "thread-due").await, leases(&app, "thread-idle").await), (1, 0));
+        // Another's lease is never given up by this read.
+        assert!(s.acquire_lease("default", "thread-other", "x", now, now + 60_000).await.expect("lease"));
+        let (_, given_up) = s
+            .next_work_or_release("default", "thread-other", approvald::clock::now_ms(), "w")
+            .await
+            .expect("reads");
+        assert_eq!(leases(&app, "thread-other").await, 1, "still held by its owner ({given_up})");
+    } else {
+        assert!(!given_up, "SQLite keeps no lease rows for workers (decisions §14)");
+    }
+}
+}
