@@ -344,6 +344,79 @@ pub(super) fn record_stored(
     }
 }
 
+/// How a thread's work is read (`Store::thread_work`).
+#[derive(Clone, Copy)]
+enum Visit<'a> {
+    Read,
+    /// The holder's read, giving the lease up if nothing is due now.
+    Release {
+        owner: &'a str,
+    },
+    /// The lease taken first, in the same round trip.
+    Take {
+        owner: &'a str,
+        until: i64,
+    },
+}
+
+/// The PostgreSQL thread read of `next_work_for_thread`, with the
+/// operation and its waiting answer as whole rows (`o`, `i.r`).
+macro_rules! pg_thread_work_rows {
+    () => {
+        concat!(
+            "SELECT o, i.r, i.held, 1 FROM operations o LEFT JOIN LATERAL (SELECT inbox AS r, ",
+            held_back!("$2"),
+            " AS held FROM inbox WHERE inbox.tenant = o.tenant AND inbox.correlation_id = o.decision_id LIMIT 1) i \
+               ON (i.r).state = 'new' \
+             WHERE o.tenant = $1 AND o.thread_id = $2 AND o.inbox_at IS NOT NULL AND o.decision_id IS NOT NULL \
+             UNION ALL SELECT o, NULL::inbox, NULL::boolean, 0 FROM operations o \
+             WHERE o.tenant = $1 AND o.thread_id = $2 AND o.due_at IS NOT NULL \
+               AND (o.inbox_at IS NULL OR o.decision_id IS NULL)"
+        )
+    };
+}
+
+/// Makes `pg_temp.approvald_take_thread` on the connection: the lease
+/// (as `acquire_lease`), then, only if it was taken, a row saying so and
+/// the thread's work. Temporary, as the save's function is
+/// (save/postgres.rs). PL/pgSQL prepares each statement once per
+/// connection and, the function being volatile, runs each on a snapshot
+/// of its own.
+fn take_thread_setup() -> &'static str {
+    concat!(
+        "CREATE OR REPLACE FUNCTION pg_temp.approvald_take_thread(text, text, text, bigint, bigint) \
+         RETURNS TABLE (w_op operations, w_inbox inbox, w_held boolean, w_waits integer) \
+         LANGUAGE plpgsql AS $fn$ \
+         #variable_conflict use_column\n \
+         DECLARE got text; \
+         BEGIN \
+           INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ($1, $2, $3, $5) \
+             ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until \
+             WHERE thread_leases.until <= $4 OR thread_leases.owner = excluded.owner \
+             RETURNING owner INTO got; \
+           IF got IS DISTINCT FROM $3 THEN RETURN; END IF; \
+           RETURN QUERY SELECT NULL::operations, NULL::inbox, NULL::boolean, -1; \
+           RETURN QUERY ",
+        pg_thread_work_rows!(),
+        "; END $fn$"
+    )
+}
+
+/// The call, its rows named as `next_work_for_thread`'s.
+const TAKE_THREAD: &str = "SELECT (t.w_op).*, t.w_waits AS answer_waits, \
+       (t.w_inbox).id AS i_id, (t.w_inbox).tenant AS i_tenant, (t.w_inbox).correlation_id AS i_correlation_id, (t.w_inbox).answer AS i_answer, \
+       (t.w_inbox).answered_at AS i_answered_at, (t.w_inbox).source AS i_source, (t.w_inbox).state AS i_state, \
+       (t.w_inbox).received_at AS i_received_at, (t.w_inbox).duplicates AS i_duplicates, \
+       (t.w_inbox).operation_id AS i_operation_id, (t.w_inbox).processed_at AS i_processed_at, \
+       (t.w_inbox).note AS i_note, t.w_held AS i_held_back \
+     FROM pg_temp.approvald_take_thread($1, $2, $3, $4, $5) AS t";
+
+/// The error of calling a connection's temporary function before it was
+/// made there: no such function, or no temporary schema yet.
+pub(super) fn is_missing_temp_function(e: &dyn sqlx::error::DatabaseError) -> bool {
+    matches!(e.code().as_deref(), Some("42883" | "3F000"))
+}
+
 /// The channel `signal_work` notifies.
 pub const WORK_CHANNEL: &str = "approvald_work";
 
@@ -1288,7 +1361,7 @@ impl Store {
         thread_id: &str,
         now: i64,
     ) -> Result<Option<ThreadWork>, StoreError> {
-        Ok(self.thread_work(tenant, thread_id, now, None).await?.0)
+        Ok(self.thread_work(tenant, thread_id, now, Visit::Read).await?.0)
     }
 
     /// `next_work_for_thread` for the worker holding the thread's lease
@@ -1306,15 +1379,37 @@ impl Store {
         now: i64,
         owner: &str,
     ) -> Result<(Option<ThreadWork>, bool), StoreError> {
-        self.thread_work(tenant, thread_id, now, Some(owner)).await
+        self.thread_work(tenant, thread_id, now, Visit::Release { owner }).await
     }
 
+    /// Takes the thread's lease as `owner` until `until` (if it is free or
+    /// run out) and reads its work, in one round trip (PostgreSQL; a
+    /// worker on SQLite takes no lease rows, §14): None if another holds
+    /// it. The read sees every commit made before the lease was taken,
+    /// the last holder's saves with them: it is a statement of its own
+    /// inside a function (`pg_temp.approvald_take_thread`), which takes
+    /// its snapshot after the lease's insert, where one statement's parts
+    /// would all read the snapshot taken before it waited for a release.
+    pub async fn take_thread(
+        &self,
+        tenant: &str,
+        thread_id: &str,
+        owner: &str,
+        now: i64,
+        until: i64,
+    ) -> Result<Option<Option<ThreadWork>>, StoreError> {
+        let (work, taken) = self.thread_work(tenant, thread_id, now, Visit::Take { owner, until }).await?;
+        Ok(taken.then_some(work))
+    }
+
+    /// Reads a thread's work (`visit`); the flag is whether the lease was
+    /// given up (`Visit::Release`) or taken (`Visit::Take`).
     async fn thread_work(
         &self,
         tenant: &str,
         thread_id: &str,
         now: i64,
-        release: Option<&str>,
+        visit: Visit<'_>,
     ) -> Result<(Option<ThreadWork>, bool), StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
             // Two arms, each read through its per-thread index (migration
@@ -1370,7 +1465,9 @@ impl Store {
             }
             // The lease goes when no row is work now, which is what the
             // loop below finds from the same rows.
-            let sql = if PG && release.is_some() {
+            let sql = if PG && matches!(visit, Visit::Take { .. }) {
+                TAKE_THREAD
+            } else if PG && matches!(visit, Visit::Release { .. }) {
                 concat!(
                     "WITH w AS (",
                     pg_thread_work!(),
@@ -1393,14 +1490,38 @@ impl Store {
                 )
             };
             let mut query = sqlx::query(sql).bind(tenant).bind(thread_id);
-            if PG && let Some(owner) = release {
-                query = query.bind(now).bind(owner);
+            let mut rows = match visit {
+                Visit::Release { owner } if PG => query.bind(now).bind(owner).fetch_all(pool).await?,
+                Visit::Take { owner, until } if PG => {
+                    query = query.bind(owner).bind(now).bind(until);
+                    let mut conn = pool.acquire().await?;
+                    match query.fetch_all(&mut *conn).await {
+                        Err(sqlx::Error::Database(e)) if is_missing_temp_function(e.as_ref()) => {
+                            sqlx::raw_sql(sqlx::AssertSqlSafe(take_thread_setup())).execute(&mut *conn).await?;
+                            sqlx::query(sql)
+                                .bind(tenant)
+                                .bind(thread_id)
+                                .bind(owner)
+                                .bind(now)
+                                .bind(until)
+                                .fetch_all(&mut *conn)
+                                .await?
+                        }
+                        other => other?,
+                    }
+                }
+                _ => query.fetch_all(pool).await?,
+            };
+            // The function's first row says the lease was taken.
+            let taken = PG && rows.first().is_some_and(|row| row.try_get::<i32, _>("answer_waits").is_ok_and(|a| a < 0));
+            if taken {
+                rows.remove(0);
             }
-            let rows = query.fetch_all(pool).await?;
             let released = PG
-                && release.is_some()
+                && matches!(visit, Visit::Release { .. })
                 && !rows.iter().any(|row| row.try_get::<i32, _>("answer_waits").is_ok_and(|a| a == 1))
                 && !rows.iter().any(|row| row.try_get::<Option<i64>, _>("due_at").ok().flatten().is_some_and(|at| at <= now));
+            let flag = if matches!(visit, Visit::Take { .. }) { taken } else { released };
             let mut first: Option<(InboxEntry, Operation, bool)> = None;
             let mut decisions = Vec::new();
             let mut due: Option<Operation> = None;
@@ -1446,14 +1567,14 @@ impl Store {
                 }
             }
             if let Some((entry, op, held_back)) = first {
-                return Ok((Some(ThreadWork::Answer(Box::new(entry), op, held_back)), false));
+                return Ok((Some(ThreadWork::Answer(Box::new(entry), op, held_back)), flag));
             }
             if !decisions.is_empty() {
                 // Marked, yet nothing waits: never expected, but a stale
                 // mark would make workers take this thread forever.
                 self.clear_stale_inbox_marks(tenant, &decisions).await?;
             }
-            Ok((due.map(ThreadWork::Due), released))
+            Ok((due.map(ThreadWork::Due), flag))
         })
     }
 

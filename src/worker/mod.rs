@@ -257,19 +257,26 @@ impl Engine {
             // is the whole lease, and two writes per visit are saved.
             let shared = self.store.is_postgres();
             let now = now_ms();
-            if shared
-                && !self
+            // On PostgreSQL the lease and the first read of the thread's
+            // work are one round trip.
+            let first = if shared {
+                match self
                     .store
-                    .acquire_lease(tenant, thread, &owner, now, now + self.settings.lease_ms)
+                    .take_thread(tenant, thread, &owner, now, now + self.settings.lease_ms)
                     .await?
-            {
-                continue;
-            }
+                {
+                    Some(work) => Some(work),
+                    None => continue,
+                }
+            } else {
+                None
+            };
             if more {
                 self.wake();
             }
-            let result =
-                DUE_NEXT.scope(RefCell::new(None), self.work_thread(tenant, thread, &owner, shared)).await;
+            let result = DUE_NEXT
+                .scope(RefCell::new(None), self.work_thread(tenant, thread, &owner, shared, first))
+                .await;
             // Release even after an error, so the thread does not wait out
             // the lease, unless the visit's last read gave it up.
             let given_up = result.as_ref().is_ok_and(|given_up| *given_up);
@@ -319,12 +326,15 @@ impl Engine {
 
     /// Does the thread's due work; returns whether the lease was given up
     /// with the read that found no more (`Store::next_work_or_release`).
+    /// `read`: the thread's work as read with its lease, if it was
+    /// (`Store::take_thread`).
     async fn work_thread(
         &self,
         tenant: &str,
         thread: &str,
         owner: &str,
         leased: bool,
+        mut read: Option<Option<ThreadWork>>,
     ) -> Result<bool, StoreError> {
         // The lease was just taken; renewing it is a write, so it is done
         // only once a third of it has passed, not before every step (each
@@ -350,10 +360,11 @@ impl Engine {
             let saved = DUE_NEXT.try_with(|n| n.borrow_mut().take()).ok().flatten().filter(|op| {
                 op.tenant == tenant && op.thread_id == thread && op.due_at.is_some_and(|at| at <= now)
             });
-            let (work, given_up) = match saved {
-                Some(op) => (Some(ThreadWork::Due(op)), false),
-                None if leased => self.store.next_work_or_release(tenant, thread, now, owner).await?,
-                None => (self.store.next_work_for_thread(tenant, thread, now).await?, false),
+            let (work, given_up) = match (read.take(), saved) {
+                (Some(work), _) => (work, false),
+                (None, Some(op)) => (Some(ThreadWork::Due(op)), false),
+                (None, None) if leased => self.store.next_work_or_release(tenant, thread, now, owner).await?,
+                (None, None) => (self.store.next_work_for_thread(tenant, thread, now).await?, false),
             };
             match work {
                 Some(ThreadWork::Answer(entry, op, held_back)) => {

@@ -544,3 +544,77 @@ async fn a_revived_orphan_committed_after_its_decision_id_is_applied_at_once() {
     })
     .await;
 }
+
+// A worker takes a thread's lease and reads its work in one round trip
+// (`Store::take_thread`). When it waited for the last holder's release,
+// the read must see what was committed meanwhile: a statement's parts all
+// read the snapshot taken before the wait, so the read is a statement of
+// its own inside the function. Here a change commits while the taker
+// waits for the release; the read sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thread_taken_as_its_last_holder_lets_go_is_read_as_that_holder_left_it() {
+    on_postgres(module_path!(), async {
+        use sqlx::Connection as _;
+        let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+        let id = app.enqueue_ok(&confirm("snap")).await;
+        let pool = app.store().pg_pool().expect("PostgreSQL").clone();
+        sqlx::query("UPDATE operations SET due_at = NULL WHERE id = $1")
+            .bind(&id)
+            .execute(&pool)
+            .await
+            .expect("undue");
+        let now = approvald::clock::now_ms();
+        assert!(
+            app.store().acquire_lease("default", "thread-snap", "a", now, now + 60_000).await.expect("lease")
+        );
+        // The holder lets go, in a transaction not yet committed.
+        let mut holder = sqlx::PgConnection::connect(&app.store_url()).await.expect("connects");
+        sqlx::query("BEGIN").execute(&mut holder).await.expect("begins");
+        sqlx::query("DELETE FROM thread_leases WHERE thread_id = 'thread-snap'")
+            .execute(&mut holder)
+            .await
+            .expect("releases");
+        let store = app.store().clone();
+        let taker = tokio::spawn(async move {
+            let now = approvald::clock::now_ms();
+            store.take_thread("default", "thread-snap", "b", now, now + 60_000).await.expect("store")
+        });
+        let start = std::time::Instant::now();
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND query LIKE '%approvald_take_thread%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("pg_stat_activity");
+            if waiting > 0 {
+                break;
+            }
+            assert!(start.elapsed() < crate::harness::WAIT, "the taker never waited for the release");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        // Committed while the taker waits: its step is due now.
+        sqlx::query("UPDATE operations SET due_at = 1 WHERE id = $1")
+            .bind(&id)
+            .execute(&pool)
+            .await
+            .expect("due");
+        sqlx::query("COMMIT").execute(&mut holder).await.expect("commits");
+        let taken = tokio::time::timeout(crate::harness::WAIT, taker).await.expect("taken").expect("joins");
+        match taken {
+            Some(Some(approvald::store::ThreadWork::Due(op))) => assert_eq!(op.id, id),
+            other => panic!("the thread's due step, as committed before the lease was taken: {other:?}"),
+        }
+        // Held now: another taker gets nothing.
+        let now = approvald::clock::now_ms();
+        assert!(
+            app.store()
+                .take_thread("default", "thread-snap", "c", now, now + 60_000)
+                .await
+                .expect("store")
+                .is_none()
+        );
+    })
+    .await;
+}

@@ -256,7 +256,7 @@ async fn execute(pool: &PgPool, rows: &[&[SaveValue]]) -> Result<Vec<bool>, sqlx
     let batch = batch_json(rows);
     let mut conn = pool.acquire().await?;
     let returned = match sqlx::query_scalar::<_, i64>(BATCH).bind(&batch).fetch_all(&mut *conn).await {
-        Err(sqlx::Error::Database(e)) if matches!(e.code().as_deref(), Some("42883" | "3F000")) => {
+        Err(sqlx::Error::Database(e)) if crate::store::db::is_missing_temp_function(e.as_ref()) => {
             sqlx::raw_sql(sqlx::AssertSqlSafe(setup())).execute(&mut *conn).await?;
             sqlx::query_scalar::<_, i64>(BATCH).bind(&batch).fetch_all(&mut *conn).await?
         }
