@@ -402,14 +402,25 @@ fn take_thread_setup() -> &'static str {
     )
 }
 
-/// The call, its rows named as `next_work_for_thread`'s.
-const TAKE_THREAD: &str = "SELECT (t.w_op).*, t.w_waits AS answer_waits, \
-       (t.w_inbox).id AS i_id, (t.w_inbox).tenant AS i_tenant, (t.w_inbox).correlation_id AS i_correlation_id, (t.w_inbox).answer AS i_answer, \
-       (t.w_inbox).answered_at AS i_answered_at, (t.w_inbox).source AS i_source, (t.w_inbox).state AS i_state, \
-       (t.w_inbox).received_at AS i_received_at, (t.w_inbox).duplicates AS i_duplicates, \
-       (t.w_inbox).operation_id AS i_operation_id, (t.w_inbox).processed_at AS i_processed_at, \
-       (t.w_inbox).note AS i_note, t.w_held AS i_held_back \
-     FROM pg_temp.approvald_take_thread($1, $2, $3, $4, $5) AS t";
+/// The call, its rows named as `next_work_for_thread`'s: the operation's
+/// columns by name (`op_cols!`), not `(t.w_op).*`, whose list would follow
+/// the table's and change under a prepared statement when a migration
+/// adds a column.
+fn take_thread_text() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| {
+        let op: Vec<String> =
+            op_cols!().split(',').map(|c| format!("(t.w_op).{0} AS {0}", c.trim())).collect();
+        let inbox: Vec<String> =
+            inbox_cols!().split(',').map(|c| format!("(t.w_inbox).{0} AS i_{0}", c.trim())).collect();
+        format!(
+            "SELECT {}, t.w_waits AS answer_waits, {}, t.w_held AS i_held_back \
+             FROM pg_temp.approvald_take_thread($1, $2, $3, $4, $5) AS t",
+            op.join(", "),
+            inbox.join(", ")
+        )
+    })
+}
 
 /// The error of calling a connection's temporary function before it was
 /// made there: no such function, or no temporary schema yet.
@@ -1368,7 +1379,8 @@ impl Store {
     /// as `owner`, which it gives up in the same statement when nothing is
     /// due now (PostgreSQL; SQLite has no lease rows, §14): the last read
     /// of every visit and the release were two round trips. Returns
-    /// whether the lease was given up. A callback committed after the
+    /// whether nothing was due now, so that the lease, if `owner` held it,
+    /// was given up. A callback committed after the
     /// read's snapshot finds the lease still held and its worker passes
     /// the thread by, as one committed between a read and a release of
     /// their own did; the safety-net poll takes it.
@@ -1466,7 +1478,7 @@ impl Store {
             // The lease goes when no row is work now, which is what the
             // loop below finds from the same rows.
             let sql = if PG && matches!(visit, Visit::Take { .. }) {
-                TAKE_THREAD
+                take_thread_text()
             } else if PG && matches!(visit, Visit::Release { .. }) {
                 concat!(
                     "WITH w AS (",

@@ -260,13 +260,18 @@ impl Engine {
             // On PostgreSQL the lease and the first read of the thread's
             // work are one round trip.
             let first = if shared {
-                match self
-                    .store
-                    .take_thread(tenant, thread, &owner, now, now + self.settings.lease_ms)
-                    .await?
+                match self.store.take_thread(tenant, thread, &owner, now, now + self.settings.lease_ms).await
                 {
-                    Some(work) => Some(work),
-                    None => continue,
+                    Ok(Some(work)) => Some(work),
+                    Ok(None) => continue,
+                    Err(e) => {
+                        // The lease may have been taken before the read
+                        // failed: let it go rather than leave the thread
+                        // to wait out the lease. The owner names this
+                        // visit alone, so this deletes nothing else.
+                        let _ = self.store.release_lease(tenant, thread, &owner).await;
+                        return Err(e);
+                    }
                 }
             } else {
                 None

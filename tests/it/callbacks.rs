@@ -581,9 +581,11 @@ async fn a_thread_taken_as_its_last_holder_lets_go_is_read_as_that_holder_left_i
         });
         let start = std::time::Instant::now();
         loop {
+            // By the text's start: pg_stat_activity keeps only its first
+            // kilobyte (`track_activity_query_size`).
             let waiting: i64 = sqlx::query_scalar(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                 AND wait_event_type = 'Lock' AND query LIKE '%approvald_take_thread%'",
+                 AND wait_event_type = 'Lock' AND query LIKE 'SELECT (t.w_op).%'",
             )
             .fetch_one(&pool)
             .await

@@ -184,7 +184,11 @@ impl PgSaveQueue {
     /// Runs batches until none waits.
     async fn run(self: Arc<Self>) {
         let _replace = ReplaceOnPanic(Arc::clone(&self));
-        while let Some(batch) = self.take() {
+        while let Some(mut batch) = self.take() {
+            // A batch holds its rows' locks until it commits; taken in one
+            // order by every batch, two batches cannot deadlock on them.
+            // Stable: saves of one operation keep their order.
+            batch.sort_by(|a, b| operation_id(&a.values).cmp(&operation_id(&b.values)));
             let rows: Vec<&[SaveValue]> = batch.iter().map(|p| p.values.as_slice()).collect();
             let results = run_batch(&self.pool, &rows).await;
             for (p, r) in batch.into_iter().zip(results) {
@@ -244,10 +248,25 @@ async fn run_batch(pool: &PgPool, rows: &[&[SaveValue]]) -> Vec<Reply> {
     }
 }
 
+/// The operation a save's values name (`$19`).
+fn operation_id(values: &[SaveValue]) -> Option<&str> {
+    match values.get(18) {
+        Some(SaveValue::Text(id)) => id.as_deref(),
+        _ => None,
+    }
+}
+
 /// An error PostgreSQL answered for the statement, which it then rolled
-/// back (an autocommit statement is its own transaction).
+/// back (an autocommit statement is its own transaction). Not a lost
+/// connection (class 08), the server shutting the session down (57P) or an
+/// internal error (XX): the session may have ended after the commit.
 fn refused(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(_))
+    match e {
+        sqlx::Error::Database(db) => {
+            !db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c.starts_with("XX"))
+        }
+        _ => false,
+    }
 }
 
 /// Runs `rows` as one statement: whether each took. Makes the function on
@@ -488,6 +507,7 @@ mod tests {
     #[test]
     fn every_column_has_a_type_and_the_function_names_no_parameter() {
         assert_eq!(SAVE_COLUMNS.len(), TYPES.len());
+        assert_eq!(SAVE_COLUMNS[18], "id", "operation_id reads the 19th value");
         let text = setup();
         // `$fn$` quotes the body; no `$n` parameter is left in it.
         let body = text.split("$fn$").nth(1).expect("a quoted body");
