@@ -333,3 +333,81 @@ impl Store {
         Ok(saved)
     }
 }
+
+/// What the two engines' batch tests share: a save's values, and what a
+/// batch that holds a failing save must leave.
+#[cfg(test)]
+mod test_rows {
+    use std::sync::Arc;
+
+    use super::{SAVE_COLUMNS, SaveValue};
+
+    /// A save of `id` (its own thread, tenant `t`) from `version`,
+    /// recording one call.
+    pub(super) fn row(id: &str, version: i64, decision_id: Option<&str>) -> Vec<SaveValue> {
+        SAVE_COLUMNS[..32]
+            .iter()
+            .map(|c| match *c {
+                "state" => SaveValue::Text(Some("pending".into())),
+                "decision_id" => SaveValue::Text(decision_id.map(Arc::from)),
+                "last_error" => SaveValue::Text(Some(format!("saved from {version}").into())),
+                "consume_inflight" | "consume_attempts" | "delivery_inflight" | "attempts" => {
+                    SaveValue::Int(Some(0))
+                }
+                "clear_inbox_at" | "opened_now" | "release_next" => SaveValue::Int(Some(0)),
+                "updated_at" => SaveValue::Int(Some(2)),
+                "id" | "thread_id" => SaveValue::Text(Some(id.into())),
+                "tenant" => SaveValue::Text(Some("t".into())),
+                "version" => SaveValue::Int(Some(version)),
+                "transitions" | "deliveries" => SaveValue::Text(Some("[]".into())),
+                "calls" => SaveValue::Text(Some(
+                    format!(r#"[{{"operation_id":"{id}","call":"create_decision","started_at":1,"duration_ms":1}}]"#)
+                        .into(),
+                )),
+                _ => SaveValue::Text(None),
+            })
+            .collect()
+    }
+
+    /// The five saves both engines' tests batch: two that take, one that
+    /// breaks the unique decision id, one from a version the first moved,
+    /// one more that takes.
+    pub(super) fn five() -> [Vec<SaveValue>; 5] {
+        [
+            row("a", 0, None),
+            row("b", 0, Some("dec-1")),
+            row("c", 0, None),
+            row("a", 0, None),
+            row("d", 0, None),
+        ]
+    }
+
+    /// What `five` must come to: the failing save gets the error
+    /// (`unique`, the engine's word for it) and leaves nothing; the stale
+    /// one is told so; the rest commit. `ops` and `calls` are read back.
+    pub(super) fn assert_isolated(
+        outcomes: &[Result<bool, String>],
+        unique: &str,
+        ops: &[(String, i64, Option<String>)],
+        calls: &[(String, i64)],
+    ) {
+        assert_eq!(outcomes[0], Ok(true));
+        assert!(outcomes[1].as_ref().is_err_and(|e| e.contains(unique)), "{:?}", outcomes[1]);
+        assert_eq!(outcomes[2..], [Ok(true), Ok(false), Ok(true)]);
+        let saved = Some("saved from 0".to_string());
+        assert_eq!(
+            ops,
+            [
+                ("a".into(), 1, saved.clone()),
+                ("b".into(), 0, None),
+                ("c".into(), 1, saved.clone()),
+                ("d".into(), 1, saved)
+            ]
+        );
+        assert_eq!(
+            calls,
+            [("a".into(), 2), ("c".into(), 1), ("d".into(), 1)],
+            "the stale save's call is recorded"
+        );
+    }
+}

@@ -318,6 +318,7 @@ mod tests {
     use super::*;
     use crate::config::StoreConfig;
     use crate::store::Store;
+    use crate::store::save::test_rows::{assert_isolated, five, row};
 
     /// A fresh, migrated database on `APPROVALD_TEST_PG_URL`'s server with
     /// pending operations `a`–`d` and `x` (which holds decision `dec-1`),
@@ -377,33 +378,6 @@ mod tests {
             .expect("drops");
     }
 
-    /// A save of `id` from `version`, recording one call.
-    fn row(id: &str, version: i64, decision_id: Option<&str>) -> Vec<SaveValue> {
-        SAVE_COLUMNS[..32]
-            .iter()
-            .map(|c| match *c {
-                "state" => SaveValue::Text(Some("pending".into())),
-                "decision_id" => SaveValue::Text(decision_id.map(Arc::from)),
-                "last_error" => SaveValue::Text(Some(format!("saved from {version}").into())),
-                "consume_inflight" | "consume_attempts" | "delivery_inflight" | "attempts" => {
-                    SaveValue::Int(Some(0))
-                }
-                "clear_inbox_at" | "opened_now" | "release_next" => SaveValue::Int(Some(0)),
-                "updated_at" => SaveValue::Int(Some(2)),
-                "id" => SaveValue::Text(Some(id.into())),
-                "tenant" => SaveValue::Text(Some("t".into())),
-                "thread_id" => SaveValue::Text(Some(id.into())),
-                "version" => SaveValue::Int(Some(version)),
-                "transitions" | "deliveries" => SaveValue::Text(Some("[]".into())),
-                "calls" => SaveValue::Text(Some(
-                    format!(r#"[{{"operation_id":"{id}","call":"create_decision","started_at":1,"duration_ms":1}}]"#)
-                        .into(),
-                )),
-                _ => SaveValue::Text(None),
-            })
-            .collect()
-    }
-
     async fn calls(pool: &PgPool) -> Vec<(String, i64)> {
         sqlx::query_as("SELECT operation_id, count(*) FROM pushary_calls GROUP BY operation_id ORDER BY 1")
             .fetch_all(pool)
@@ -422,38 +396,16 @@ mod tests {
         else {
             return;
         };
-        let rows = [
-            row("a", 0, None),
-            row("b", 0, Some("dec-1")),
-            row("c", 0, None),
-            row("a", 0, None),
-            row("d", 0, None),
-        ];
+        let rows = five();
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
         let outcomes: Vec<Result<bool, String>> =
             run_batch(&pool, &refs).await.into_iter().map(|r| r.map_err(|e| e.to_string())).collect();
-        assert_eq!(outcomes[0], Ok(true));
-        assert!(outcomes[1].as_ref().is_err_and(|e| e.contains("operations_decision")), "{:?}", outcomes[1]);
-        assert_eq!(
-            (outcomes[2].clone(), outcomes[3].clone(), outcomes[4].clone()),
-            (Ok(true), Ok(false), Ok(true))
-        );
         let ops: Vec<(String, i64, Option<String>)> =
             sqlx::query_as("SELECT id, version, last_error FROM operations WHERE id <> 'x' ORDER BY id")
                 .fetch_all(&pool)
                 .await
                 .expect("reads");
-        let saved = Some("saved from 0".to_string());
-        assert_eq!(
-            ops,
-            vec![
-                ("a".into(), 1, saved.clone()),
-                ("b".into(), 0, None),
-                ("c".into(), 1, saved.clone()),
-                ("d".into(), 1, saved)
-            ]
-        );
-        assert_eq!(calls(&pool).await, vec![("a".into(), 2), ("c".into(), 1), ("d".into(), 1)]);
+        assert_isolated(&outcomes, "operations_decision", &ops, &calls(&pool).await);
         drop_db(&admin, &name, pool).await;
     }
 

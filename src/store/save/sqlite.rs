@@ -337,6 +337,7 @@ mod tests {
     use super::*;
     use crate::store::Store;
     use crate::store::db::test_support::{insert_operation, sqlite_store};
+    use crate::store::save::test_rows::{assert_isolated, five, row};
 
     async fn store() -> (tempfile::TempDir, Store, sqlx::SqlitePool) {
         let (dir, store, pool) = sqlite_store().await;
@@ -344,31 +345,6 @@ mod tests {
             insert_operation(&pool, id, id, decision).await;
         }
         (dir, store, pool)
-    }
-
-    /// A save of `id` from `version`, recording one call.
-    fn row(id: &str, version: i64, decision_id: Option<&str>) -> Vec<SaveValue> {
-        COLUMNS[..32]
-            .iter()
-            .map(|c| {
-                match *c {
-                "state" => SaveValue::Text(Some("pending".into())),
-                "decision_id" => SaveValue::Text(decision_id.map(Arc::from)),
-                "last_error" => SaveValue::Text(Some(format!("saved from {version}").into())),
-                "consume_inflight" | "consume_attempts" | "delivery_inflight" | "attempts" => {
-                    SaveValue::Int(Some(0))
-                }
-                "updated_at" => SaveValue::Int(Some(2)),
-                "id" => SaveValue::Text(Some(id.into())),
-                "tenant" => SaveValue::Text(Some("t".into())),
-                "version" => SaveValue::Int(Some(version)),
-                "calls" => SaveValue::Text(Some(format!(
-                    r#"[{{"operation_id":"{id}","call":"create_decision","started_at":1,"duration_ms":1}}]"#
-                ).into())),
-                _ => SaveValue::Text(None),
-            }
-            })
-            .collect()
     }
 
     #[test]
@@ -390,13 +366,7 @@ mod tests {
         let group = store.sqlite_group.clone().expect("a SQLite store has a write group");
         let mut answers = Vec::new();
         let mut batch = Vec::new();
-        for values in [
-            row("a", 0, None),
-            row("b", 0, Some("dec-1")),
-            row("c", 0, None),
-            row("a", 0, None),
-            row("d", 0, None),
-        ] {
+        for values in five() {
             let (reply, answer) = oneshot::channel();
             batch.push(Pending { values, reply });
             answers.push(answer);
@@ -412,34 +382,18 @@ mod tests {
                 Err(e) => Err(e.to_string()),
             });
         }
-        assert_eq!(outcomes[0], Ok(true));
-        assert!(outcomes[1].as_ref().is_err_and(|e| e.contains("UNIQUE")), "{:?}", outcomes[1]);
-        assert_eq!(
-            (outcomes[2].clone(), outcomes[3].clone(), outcomes[4].clone()),
-            (Ok(true), Ok(false), Ok(true))
-        );
-        let rows: Vec<(String, i64, Option<String>)> =
+        let ops: Vec<(String, i64, Option<String>)> =
             sqlx::query_as("SELECT id, version, last_error FROM operations WHERE id <> 'x' ORDER BY id")
                 .fetch_all(&pool)
                 .await
                 .expect("reads");
-        let saved = Some("saved from 0".to_string());
-        assert_eq!(
-            rows,
-            vec![
-                ("a".into(), 1, saved.clone()),
-                ("b".into(), 0, None),
-                ("c".into(), 1, saved.clone()),
-                ("d".into(), 1, saved)
-            ]
-        );
         let calls: Vec<(String, i64)> = sqlx::query_as(
             "SELECT operation_id, count(*) FROM pushary_calls GROUP BY operation_id ORDER BY 1",
         )
         .fetch_all(&pool)
         .await
         .expect("reads");
-        assert_eq!(calls, vec![("a".into(), 2), ("c".into(), 1), ("d".into(), 1)]);
+        assert_isolated(&outcomes, "UNIQUE", &ops, &calls);
     }
 
     // Within one statement (three rows, padded to four), a save from a
