@@ -206,7 +206,41 @@ pub(super) async fn check_store(
     let fix =
         (!notes.is_empty()).then(|| notes.iter().map(|(_, f)| f.as_str()).collect::<Vec<_>>().join("; "));
     checks.push(Check::new("store", status, finding, fix));
+    if let Some(check) = check_temp_privilege(&store).await {
+        checks.push(check);
+    }
     Some(store)
+}
+
+/// PostgreSQL: approvald's saves and thread takes are temporary functions
+/// each connection makes (docs/decisions.md §19, §20), which needs the
+/// `TEMPORARY` privilege on the database; without it every save fails.
+async fn check_temp_privilege(store: &Store) -> Option<Check> {
+    const NAME: &str = "store privileges";
+    match store.pg_temp_privilege().await {
+        Ok(None) => None,
+        Ok(Some((true, db, role))) => Some(Check::ok(
+            NAME,
+            format!("role {role} may make the temporary functions approvald runs in database {db}"),
+        )),
+        Ok(Some((false, db, role))) => Some(Check::new(
+            NAME,
+            Status::Fail,
+            format!(
+                "role {role} lacks the TEMPORARY privilege on database {db}: every save would fail \
+                 (approvald runs its saves through a temporary function on each connection)"
+            ),
+            Some(format!(
+                "as the database's owner or a superuser, run `GRANT TEMPORARY ON DATABASE \"{db}\" TO \"{role}\"`"
+            )),
+        )),
+        Err(e) => Some(Check::new(
+            NAME,
+            Status::Fail,
+            format!("cannot read the role's privileges: {e}"),
+            Some("check that approvald's role may connect and query its database".into()),
+        )),
+    }
 }
 
 /// One direct connection first: the pool retries a refused connection

@@ -675,6 +675,22 @@ impl Store {
         })
     }
 
+    /// PostgreSQL: whether this connection's role may make temporary
+    /// objects in its database, with the database's and the role's names.
+    /// The batched save and the thread take are temporary functions
+    /// (decisions §19, §20); without the privilege every save fails.
+    /// None on SQLite.
+    pub async fn pg_temp_privilege(&self) -> Result<Option<(bool, String, String)>, StoreError> {
+        let Backend::Postgres(pool) = &self.backend else { return Ok(None) };
+        let row: (bool, String, String) = sqlx::query_as(
+            "SELECT has_database_privilege(current_database(), 'TEMPORARY'), current_database()::text, \
+             current_user::text",
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok(Some(row))
+    }
+
     // ---- operations -------------------------------------------------------------------------
 
     /// Inserts a new operation, or returns the one already stored under its key.

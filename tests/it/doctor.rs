@@ -446,3 +446,47 @@ async fn a_loopback_public_url_with_a_remote_pushary_is_a_warning() {
     assert_eq!(status, "FAIL", "{}", run.stdout);
     assert!(text.contains("unreachable"), "{text}");
 }
+
+/// On PostgreSQL a role without the TEMPORARY privilege on its database
+/// could not run a single save (they are temporary functions, decisions
+/// §19): doctor fails it and says the GRANT to run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_role_without_temporary_is_named_with_its_grant() {
+    use sqlx::Connection as _;
+    let test = "doctor::a_postgres_role_without_temporary_is_named_with_its_grant";
+    let Some(crate::harness::Backend::Postgres(admin)) = crate::harness::Backend::postgres(test) else {
+        return;
+    };
+    let db = crate::harness::PgDb::create(&admin).await;
+    let role = format!("approvald_notemp_{:08x}", rand::random::<u32>());
+    let name = db.url.rsplit_once('/').map(|(_, n)| n.to_string()).expect("a database name");
+    let mut conn = sqlx::PgConnection::connect(&admin).await.expect("connects");
+    for sql in
+        [format!("CREATE ROLE {role} LOGIN"), format!("REVOKE TEMPORARY ON DATABASE {name} FROM PUBLIC")]
+    {
+        sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.expect("sets the role up");
+    }
+    let sb = sandbox().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    assert_ne!(url, db.url, "the test URL names its user: {}", db.url);
+    let run = doctor(&Setup::healthy(&sb.handle, &url).write(dir.path())).await;
+    let (status, text) = run.check("store privileges");
+    let granted = {
+        sqlx::query(sqlx::AssertSqlSafe(format!("GRANT TEMPORARY ON DATABASE {name} TO {role}")))
+            .execute(&mut conn)
+            .await
+            .expect("grants");
+        doctor(&Setup::healthy(&sb.handle, &url).write(dir.path())).await
+    };
+    drop(db);
+    let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}"))).execute(&mut conn).await;
+    assert_eq!(status, "FAIL", "{}", run.stdout);
+    assert!(
+        text.contains(&format!("role {role} lacks the TEMPORARY privilege on database {name}")),
+        "{text}"
+    );
+    assert!(text.contains(&format!("GRANT TEMPORARY ON DATABASE \"{name}\" TO \"{role}\"")), "{text}");
+    assert_ne!(run.code, Some(0), "{}", run.all());
+    assert_eq!(granted.check("store privileges").0, "ok", "{}", granted.stdout);
+}
