@@ -41,21 +41,19 @@ const MAX_BATCH: usize = 32;
 /// Batches running at once, each on its own connection.
 const RUNNERS: usize = 4;
 
-/// The PostgreSQL type of each of `SAVE_COLUMNS`.
+/// The PostgreSQL type of each of `SAVE_COLUMNS`, in its order.
+#[rustfmt::skip]
 const TYPES: [&str; 33] = [
-    "text", "text", "text", "text", "text", "text", "text", "text", "text", // state … receipt_outcome
-    "bigint", "bigint", "bigint",
-    "bigint", // consume_inflight, consume_attempts, delivery_inflight, attempts
-    "text",   // last_error
-    "bigint", "bigint", "bigint", "bigint", // due_at, poll_at, opened_at, updated_at
-    "text",   // id
-    "bigint", "bigint", // version, resume_seq
-    "boolean", "boolean", // clear_inbox_at, opened_now
-    "text", "text", "text", "text",    // tenant, transitions, deliveries, calls
-    "boolean", // release_next
-    "bigint",  // inbox_id
-    "text", "text", "text",   // thread_id, inbox_state, inbox_note
-    "bigint", // seq
+    // state, decision_id, answer, permit_id, delivery, outcome_status, result, receipt, receipt_outcome
+    "text", "text", "text", "text", "text", "text", "text", "text", "text",
+    // consume_inflight, consume_attempts, delivery_inflight, attempts, last_error
+    "bigint", "bigint", "bigint", "bigint", "text",
+    // due_at, poll_at, opened_at, updated_at, id, version, resume_seq
+    "bigint", "bigint", "bigint", "bigint", "text", "bigint", "bigint",
+    // clear_inbox_at, opened_now, tenant, transitions, deliveries, calls
+    "boolean", "boolean", "text", "text", "text", "text",
+    // release_next, inbox_id, thread_id, inbox_state, inbox_note, seq
+    "boolean", "bigint", "text", "text", "text", "bigint",
 ];
 
 /// One save's statements, with the parameters of the texts shared with
@@ -460,6 +458,17 @@ mod tests {
     fn every_column_has_a_type_and_the_function_names_no_parameter() {
         assert_eq!(SAVE_COLUMNS.len(), TYPES.len());
         assert_eq!(SAVE_COLUMNS[18], "id", "operation_id reads the 19th value");
+        // The flags are booleans (the texts test them bare), the JSON
+        // arrays and ids text, the times and counts bigint.
+        for (column, ty) in SAVE_COLUMNS.iter().zip(TYPES) {
+            let expected = match *column {
+                "clear_inbox_at" | "opened_now" | "release_next" => "boolean",
+                c if c.ends_with("_at") || c.ends_with("_inflight") || c.ends_with("attempts") => "bigint",
+                "version" | "resume_seq" | "inbox_id" | "seq" => "bigint",
+                _ => "text",
+            };
+            assert_eq!(ty, expected, "{column}");
+        }
         let text = setup();
         // `$fn$` quotes the body; no `$n` parameter is left in it.
         let body = text.split("$fn$").nth(1).expect("a quoted body");
