@@ -181,8 +181,12 @@ impl PgSaveQueue {
 
     /// Runs batches until none waits.
     async fn run(self: Arc<Self>) {
-        let _replace = ReplaceOnPanic(Arc::clone(&self));
-        while let Some(mut batch) = self.take() {
+        let mut place = RunnerPlace { queue: Arc::clone(&self), given_back: false };
+        loop {
+            let Some(mut batch) = self.take() else {
+                place.given_back = true;
+                return;
+            };
             // A batch holds its rows' locks until it commits; taken in one
             // order by every batch, two batches cannot deadlock on them.
             // Stable: saves of one operation keep their order.
@@ -196,20 +200,25 @@ impl PgSaveQueue {
     }
 }
 
-/// A runner that panics (a bug) gives its place to a new one, so the
-/// saves queued behind it are still run; its own batch's callers are told
-/// it ended without an answer.
-struct ReplaceOnPanic(Arc<PgSaveQueue>);
+/// A runner's place among the `RUNNERS`, given back however the runner
+/// ends. `take` gives it back when nothing waits; a runner that ends
+/// otherwise (a panic, a bug; its runtime shutting down) gives it back
+/// here, and after a panic a new runner takes the saves queued behind it.
+/// The callers of the batch it was running are told it ended without an
+/// answer.
+struct RunnerPlace {
+    queue: Arc<PgSaveQueue>,
+    given_back: bool,
+}
 
-impl Drop for ReplaceOnPanic {
+impl Drop for RunnerPlace {
     fn drop(&mut self) {
-        if !std::thread::panicking() {
+        if self.given_back {
             return;
         }
-        let queue = &self.0;
-        let runtime = tokio::runtime::Handle::try_current().ok();
+        let runtime = tokio::runtime::Handle::try_current().ok().filter(|_| std::thread::panicking());
         let respawn = {
-            let mut waiting = queue.lock();
+            let mut waiting = self.queue.lock();
             let respawn = !waiting.saves.is_empty() && runtime.is_some();
             if !respawn {
                 waiting.running -= 1;
@@ -217,7 +226,7 @@ impl Drop for ReplaceOnPanic {
             respawn
         };
         if let Some(runtime) = runtime.filter(|_| respawn) {
-            runtime.spawn(Arc::clone(queue).run());
+            runtime.spawn(Arc::clone(&self.queue).run());
         }
     }
 }
@@ -316,7 +325,7 @@ mod tests {
     use super::*;
     use crate::config::StoreConfig;
     use crate::store::Store;
-    use crate::store::save::test_rows::{assert_isolated, five, row};
+    use crate::store::save::test_rows::{self, assert_isolated, five, row};
 
     /// A fresh, migrated database on `APPROVALD_TEST_PG_URL`'s server with
     /// pending operations `a`–`d` and `x` (which holds decision `dec-1`),
@@ -474,6 +483,61 @@ mod tests {
         let body = text.split("$fn$").nth(1).expect("a quoted body");
         assert!(!body.contains('$'), "{body}");
         assert!(body.contains("WHERE id = s.id AND version = s.version"), "{body}");
+    }
+
+    /// A queue whose pool reaches no server: every statement fails at once.
+    fn unreachable_queue() -> Arc<PgSaveQueue> {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .acquire_timeout(std::time::Duration::from_millis(200))
+            .connect_lazy("postgres://approvald@127.0.0.1:1/none")
+            .expect("a lazy pool");
+        PgSaveQueue::new(pool)
+    }
+
+    // A runner that ends without taking the last batch (its runtime shut
+    // down mid-batch) gives its place back: the next save starts a runner.
+    #[tokio::test]
+    async fn a_runner_dropped_mid_batch_gives_its_place_back() {
+        let queue = unreachable_queue();
+        queue.lock().running = 1;
+        drop(RunnerPlace { queue: Arc::clone(&queue), given_back: false });
+        assert_eq!(queue.lock().running, 0);
+        drop(RunnerPlace { queue: Arc::clone(&queue), given_back: true });
+        assert_eq!(queue.lock().running, 0, "a place given back by `take` is not given back twice");
+    }
+
+    // A runner that panics hands the saves queued behind it to a new
+    // runner, which answers them (here with the unreachable store's error)
+    // and then gives its place back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_runner_is_replaced_and_the_queue_still_answered() {
+        let queue = unreachable_queue();
+        let (reply, answer) = oneshot::channel();
+        {
+            let mut waiting = queue.lock();
+            waiting.running = 1;
+            waiting.saves.push_back(Pending { values: test_rows::row("a", 0, None), reply });
+        }
+        let doomed = Arc::clone(&queue);
+        let ended = tokio::spawn(async move {
+            let _place = RunnerPlace { queue: doomed, given_back: false };
+            panic!("a bug in a runner");
+        })
+        .await;
+        assert!(ended.is_err_and(|e| e.is_panic()));
+        let answered = tokio::time::timeout(std::time::Duration::from_secs(20), answer)
+            .await
+            .expect("the queued save is answered")
+            .expect("by the new runner");
+        assert!(answered.is_err(), "the store is unreachable: {answered:?}");
+        let start = std::time::Instant::now();
+        while queue.lock().running != 0 {
+            assert!(
+                start.elapsed() < std::time::Duration::from_secs(20),
+                "the new runner never gave its place back"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
     }
 
     #[test]
