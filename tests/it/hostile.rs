@@ -45,17 +45,24 @@ async fn slow_bodies_time_out_and_a_full_receiver_answers_503() {
     .await;
     let before = counts(&app).await;
     let mut slow = stall(&app, "/v1/callbacks/pushary", "X-Pushary-Signature: 00\r\n").await;
+    // Wait until the stalled request holds the one callback slot, probing
+    // with a callback that cannot be stored (a wrong signature: 401 while
+    // the slot is free, 503 once it is held). A signed probe would be
+    // stored if it came first, on a loaded machine.
+    let start = Instant::now();
+    loop {
+        let (status, err) = app.post_callback(b"{}", Some("00")).await;
+        if status == 503 {
+            break;
+        }
+        assert_eq!(status, 401, "{err}");
+        assert!(start.elapsed() < WAIT, "the stalled request never took the slot");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
     // The one callback slot is taken by the stalled request: the next is refused.
     let (body, sig) = app.signed_callback("dec_busy", "yes");
-    let start = Instant::now();
-    let refused = loop {
-        let (status, err) = app.post_callback(&body, Some(&sig)).await;
-        if status == 503 {
-            break err;
-        }
-        assert!(start.elapsed() < WAIT, "never refused: {status} {err}");
-    };
-    assert_eq!(refused["code"], "overloaded");
+    let (status, refused) = app.post_callback(&body, Some(&sig)).await;
+    assert_eq!((status, refused["code"].as_str()), (503, Some("overloaded")), "{refused}");
     let (status, text) = read_status(&mut slow).await;
     assert_eq!(status, 408, "{text}");
     assert!(text.contains("request_timeout"), "{text}");
