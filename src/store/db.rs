@@ -1491,8 +1491,7 @@ impl Store {
                     )
                 };
             }
-            // The lease goes when no row is work now, which is what the
-            // loop below finds from the same rows.
+            // The lease goes when no row is work now (see `flag` below).
             let sql = if PG && matches!(visit, Visit::Take { .. }) {
                 take_thread_text()
             } else if PG && matches!(visit, Visit::Release { .. }) {
@@ -1517,39 +1516,27 @@ impl Store {
                        AND (inbox_at IS NULL OR decision_id IS NULL)"
                 )
             };
-            let mut query = sqlx::query(sql).bind(tenant).bind(thread_id);
+            let query = || sqlx::query(sql).bind(tenant).bind(thread_id);
             let mut rows = match visit {
-                Visit::Release { owner } if PG => query.bind(now).bind(owner).fetch_all(pool).await?,
+                Visit::Release { owner } if PG => query().bind(now).bind(owner).fetch_all(pool).await?,
                 Visit::Take { owner, until } if PG => {
-                    query = query.bind(owner).bind(now).bind(until);
+                    let take = || query().bind(owner).bind(now).bind(until);
                     let mut conn = pool.acquire().await?;
-                    match query.fetch_all(&mut *conn).await {
+                    match take().fetch_all(&mut *conn).await {
                         Err(sqlx::Error::Database(e)) if is_missing_temp_function(e.as_ref()) => {
                             sqlx::raw_sql(sqlx::AssertSqlSafe(take_thread_setup())).execute(&mut *conn).await?;
-                            sqlx::query(sql)
-                                .bind(tenant)
-                                .bind(thread_id)
-                                .bind(owner)
-                                .bind(now)
-                                .bind(until)
-                                .fetch_all(&mut *conn)
-                                .await?
+                            take().fetch_all(&mut *conn).await?
                         }
                         other => other?,
                     }
                 }
-                _ => query.fetch_all(pool).await?,
+                _ => query().fetch_all(pool).await?,
             };
             // The function's first row says the lease was taken.
             let taken = PG && rows.first().is_some_and(|row| row.try_get::<i32, _>("answer_waits").is_ok_and(|a| a < 0));
             if taken {
                 rows.remove(0);
             }
-            let released = PG
-                && matches!(visit, Visit::Release { .. })
-                && !rows.iter().any(|row| row.try_get::<i32, _>("answer_waits").is_ok_and(|a| a == 1))
-                && !rows.iter().any(|row| row.try_get::<Option<i64>, _>("due_at").ok().flatten().is_some_and(|at| at <= now));
-            let flag = if matches!(visit, Visit::Take { .. }) { taken } else { released };
             let mut first: Option<(InboxEntry, Operation, bool)> = None;
             let mut decisions = Vec::new();
             let mut due: Option<Operation> = None;
@@ -1594,6 +1581,14 @@ impl Store {
                     first = Some((entry, op, held_back));
                 }
             }
+            // Taken, or (the release's read) given up: the DELETE's
+            // condition, no answer waiting and nothing due now, is what
+            // this loop found in the same rows.
+            let flag = match visit {
+                Visit::Take { .. } => taken,
+                Visit::Release { .. } => PG && decisions.is_empty() && due.is_none(),
+                Visit::Read => false,
+            };
             if let Some((entry, op, held_back)) = first {
                 return Ok((Some(ThreadWork::Answer(Box::new(entry), op, held_back)), flag));
             }
