@@ -478,3 +478,71 @@ async fn the_visits_last_read_gives_up_the_lease_only_when_nothing_is_due() {
     }
 }
 }
+
+/// The server restarted under a running daemon: every connection of its
+/// pool cut at once. Connections used a moment ago are not pinged before
+/// their next statement (only those idle for a while are), so requests
+/// may be refused with 503 while the pool sheds the dead ones; a callback
+/// is never acknowledged unstored, Pushary's retry then stores it, and
+/// the approval completes once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_cut_under_the_daemon_cost_503s_then_the_approval_completes() {
+    let Some(pg) = Backend::postgres(module_path!()) else {
+        return;
+    };
+    crate::harness::BACKEND
+        .scope(pg, async {
+            let app = TestApp::spawn().await;
+            let id = app.enqueue_ok(&confirm("cut")).await;
+            let decision = app.decision_of(&id).await;
+            // Answered at Pushary; its callback is the one posted below.
+            app.sandbox
+                .answer(&decision, "yes", approvald::sandbox::CallbackMode::Drop)
+                .await
+                .expect("answers");
+            let size = app.store().pg_pool().expect("PostgreSQL").size() as usize;
+            let mut admin = sqlx::PgConnection::connect(&app.store_url()).await.expect("connects");
+            let cut: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND application_name = 'approvald') t",
+            )
+            .fetch_one(&mut admin)
+            .await
+            .expect("terminates");
+            assert!(cut > 0, "the daemon had no connection to cut");
+
+            let (body, sig) = app.signed_callback(&decision, "yes");
+            let mut refused = 0;
+            loop {
+                let (status, reply) = app.post_callback(&body, Some(&sig)).await;
+                match status {
+                    200 => break,
+                    503 => assert_eq!(reply["code"], "store_unavailable", "{reply}"),
+                    other => panic!("the callback was answered {other}: {reply}"),
+                }
+                refused += 1;
+                assert!(refused <= size + 2, "still refused after {refused} tries ({size} connections cut)");
+            }
+            // Reads may meet a dead connection too: 503, never anything else.
+            let start = Instant::now();
+            loop {
+                let resp = app
+                    .http
+                    .get(format!("{}/v1/operations/{id}", app.base))
+                    .bearer_auth(crate::harness::TOKEN)
+                    .send()
+                    .await
+                    .expect("request");
+                let status = resp.status().as_u16();
+                let op: serde_json::Value = resp.json().await.expect("json");
+                assert!(status == 200 || status == 503, "{status}: {op}");
+                if op["state"] == "succeeded" {
+                    break;
+                }
+                assert!(start.elapsed() < WAIT, "never succeeded after the cut: {op:#}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert_eq!(app.deliveries_for(&id).len(), 1, "delivered once");
+        })
+        .await;
+}

@@ -110,6 +110,7 @@ type Reply = Result<bool, StoreError>;
 struct Pending {
     values: Vec<SaveValue>,
     reply: oneshot::Sender<Reply>,
+    queued: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -151,7 +152,7 @@ impl PgSaveQueue {
         let (reply, answer) = oneshot::channel();
         let start = {
             let mut waiting = self.lock();
-            waiting.saves.push_back(Pending { values, reply });
+            waiting.saves.push_back(Pending { values, reply, queued: std::time::Instant::now() });
             // Under the same lock a runner decides to stop (`take`), so a
             // save is never left with no runner to take it.
             let start = waiting.running < RUNNERS;
@@ -192,7 +193,15 @@ impl PgSaveQueue {
             // Stable: saves of one operation keep their order.
             batch.sort_by(|a, b| operation_id(&a.values).cmp(&operation_id(&b.values)));
             let rows: Vec<&[SaveValue]> = batch.iter().map(|p| p.values.as_slice()).collect();
+            let started = std::time::Instant::now();
+            let oldest = batch.iter().map(|p| p.queued).min().map_or(0, |q| (started - q).as_micros());
             let results = run_batch(&self.pool, &rows).await;
+            tracing::trace!(
+                saves = rows.len(),
+                waited_us = oldest,
+                ran_us = started.elapsed().as_micros(),
+                "PostgreSQL save batch"
+            );
             for (p, r) in batch.into_iter().zip(results) {
                 let _ = p.reply.send(r);
             }
@@ -516,7 +525,11 @@ mod tests {
         {
             let mut waiting = queue.lock();
             waiting.running = 1;
-            waiting.saves.push_back(Pending { values: test_rows::row("a", 0, None), reply });
+            waiting.saves.push_back(Pending {
+                values: test_rows::row("a", 0, None),
+                reply,
+                queued: std::time::Instant::now(),
+            });
         }
         let doomed = Arc::clone(&queue);
         let ended = tokio::spawn(async move {
