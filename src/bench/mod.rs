@@ -193,6 +193,7 @@ async fn measure(
 
     // Ingest, between two baselines.
     let (b1, _) = baseline("1").await?;
+    let ingest_counters = PgCounters::read(&db.url).await;
     let before = daemon.stats();
     let split = CpuSplit::start(&daemon);
     let writer_at = writer::WriterSample::read(&daemon.base).await;
@@ -202,6 +203,7 @@ async fn measure(
     let thousands = full.latency.len() as f64 / 1000.0;
     let ingest_writer = writer_share(writer_at, &daemon.base, o.secs, thousands, "per 1000 callbacks").await;
     let after = daemon.stats();
+    let ingest_pg = pg_ingest_counters(ingest_counters, &db.url, thousands).await;
     // The most any receiver could acknowledge here, between the same two
     // baselines: the ingest target is out of reach where this is below it.
     let roof = {
@@ -315,6 +317,7 @@ async fn measure(
         eprintln!("{name}: {} ingest requests failed (not acknowledged)", full.errors);
     }
     let half_rate = full.acked_per_sec / 2.0;
+    let half_counters = PgCounters::read(&db.url).await;
     let half = load::ingest(
         &daemon.base,
         &secret,
@@ -333,6 +336,10 @@ async fn measure(
         "p99 ≤ 25 ms",
         Some(p99 <= 25.0),
     ));
+    let half_pg = pg_ingest_counters(half_counters, &db.url, half.latency.len() as f64 / 1000.0).await;
+    if let (Some(full_pg), Some(half_pg)) = (ingest_pg, half_pg) {
+        rows.push(row(INGEST_WAL_ROW, format!("{full_pg} → {half_pg}"), None, None, "-", None));
+    }
 
     // End to end at full speed, then at half of it.
     let e2e_tag = format!("e2e{:06x}", rand::random::<u32>() >> 8);
@@ -547,6 +554,7 @@ const STORE_CEILING_ROW: &str = "ingest store ceiling: SQLite alone storing the 
      random decision ids; one writer, no HTTP), a commit per batch of half the clients, then of all";
 
 /// PostgreSQL's counters per approval, the figure's row label.
+const INGEST_WAL_ROW: &str = "ingest per 1000 callbacks: WAL bytes / full-page images / blocks read; checkpoints begun during it (PostgreSQL): full → half speed";
 const WAL_ROW: &str = "end to end per approval: WAL bytes / full-page images / blocks read (PostgreSQL)";
 
 /// SQLite's one writer, the figures' row labels: what bounds SQLite's
@@ -564,6 +572,16 @@ async fn writer_share(
     per: &str,
 ) -> Option<String> {
     Some(start?.share(&writer::WriterSample::read(base).await?, elapsed_secs, units, per))
+}
+
+/// `pg_per` for an ingest run, with the checkpoints begun during it: a
+/// checkpoint makes every page's first change after it a full-page image
+/// in the WAL, and with random decision ids that is most of the inbox
+/// index's pages.
+async fn pg_ingest_counters(start: Option<PgCounters>, url: &str, thousands: f64) -> Option<String> {
+    let start = start?;
+    let end = PgCounters::read(url).await?;
+    Some(format!("{}; {}", start.per(end, thousands), start.checkpoints_since(end)))
 }
 
 /// PostgreSQL's counters per unit of work since `start`; None on SQLite.

@@ -235,6 +235,9 @@ pub struct PgCounters {
     wal_bytes: f64,
     wal_fpi: f64,
     blks_read: f64,
+    /// Checkpoints begun, timed or requested; None where the server keeps
+    /// them in neither view below.
+    checkpoints: Option<f64>,
 }
 
 impl PgCounters {
@@ -252,8 +255,27 @@ impl PgCounters {
         .fetch_one(&mut conn)
         .await
         .ok()?;
+        // PostgreSQL 17 moved the counts from `pg_stat_bgwriter`.
+        let mut checkpoints = None;
+        for q in [
+            "SELECT (num_timed + num_requested)::float8 FROM pg_stat_checkpointer",
+            "SELECT (checkpoints_timed + checkpoints_req)::float8 FROM pg_stat_bgwriter",
+        ] {
+            if let Ok(n) = sqlx::query_scalar::<_, f64>(q).fetch_one(&mut conn).await {
+                checkpoints = Some(n);
+                break;
+            }
+        }
         let _ = conn.close().await;
-        Some(Self { wal_bytes, wal_fpi, blks_read })
+        Some(Self { wal_bytes, wal_fpi, blks_read, checkpoints })
+    }
+
+    /// Checkpoints begun since `self`, as text ("?" when not known).
+    pub fn checkpoints_since(self, end: Self) -> String {
+        match (self.checkpoints, end.checkpoints) {
+            (Some(a), Some(b)) => format!("{:.0}", b - a),
+            _ => "?".into(),
+        }
     }
 
     /// "WAL bytes / full-page images / blocks read", per unit of work since `self`.
