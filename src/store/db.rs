@@ -1320,7 +1320,7 @@ impl Store {
                 // fresh plan and planned the statement on every call
                 // (`pg_stat_statements` under `approvald bench`: 2,438 plans
                 // in 2,527 calls, 0.39 ms of planning each).
-                let text = threads_with_work_text(&format!("{}", limit.max(16).unsigned_abs().next_power_of_two()));
+                let text = threads_with_work_text(&limit.max(16).unsigned_abs().next_power_of_two().to_string());
                 sqlx::query(AssertSqlSafe(text)).bind(now).fetch_all(pool).await?
             } else {
                 // `LIMIT $2 + 0`, not `LIMIT $2`: SQLite (3.51) plans with the
@@ -1328,7 +1328,8 @@ impl Store {
                 // statement whenever it is bound again, which re-prepared this
                 // one on every call (a uprobe on `sqlite3Reprepare` under
                 // `approvald bench`: 1,233 times in a run of 1,000 approvals).
-                sqlx::query(AssertSqlSafe(threads_with_work_text("$2 + 0")))
+                static TEXT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| threads_with_work_text("$2 + 0"));
+                sqlx::query(AssertSqlSafe(TEXT.as_str()))
                     .bind(now)
                     .bind(limit)
                     .fetch_all(pool)

@@ -526,15 +526,7 @@ async fn connections_cut_under_the_daemon_cost_503s_then_the_approval_completes(
             // Reads may meet a dead connection too: 503, never anything else.
             let start = Instant::now();
             loop {
-                let resp = app
-                    .http
-                    .get(format!("{}/v1/operations/{id}", app.base))
-                    .bearer_auth(crate::harness::TOKEN)
-                    .send()
-                    .await
-                    .expect("request");
-                let status = resp.status().as_u16();
-                let op: serde_json::Value = resp.json().await.expect("json");
+                let (status, op) = app.get_status(&id).await;
                 assert!(status == 200 || status == 503, "{status}: {op}");
                 if op["state"] == "succeeded" {
                     break;

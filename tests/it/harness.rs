@@ -286,6 +286,13 @@ impl TestApp {
     }
 
     pub async fn get(&self, id: &str) -> Value {
+        let (status, op) = self.get_status(id).await;
+        assert_eq!(status, 200, "{op}");
+        op
+    }
+
+    /// `GET /v1/operations/{id}`: the status and the JSON body, whatever they are.
+    pub async fn get_status(&self, id: &str) -> (u16, Value) {
         let resp = self
             .http
             .get(format!("{}/v1/operations/{id}", self.base))
@@ -293,8 +300,8 @@ impl TestApp {
             .send()
             .await
             .expect("get request");
-        assert_eq!(resp.status().as_u16(), 200);
-        resp.json().await.expect("json")
+        let status = resp.status().as_u16();
+        (status, resp.json().await.expect("json"))
     }
 
     /// Waits (bounded) until the operation is in one of `states`.
