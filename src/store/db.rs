@@ -471,6 +471,11 @@ const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (6, "pushary calls", include_str!("../../migrations/postgres/0006_pushary_calls.sql")),
     (7, "unlogged leases", include_str!("../../migrations/postgres/0007_unlogged_leases.sql")),
     (8, "drop inbox_new", include_str!("../../migrations/postgres/0008_drop_inbox_new.sql")),
+    (
+        9,
+        "audit rows without foreign keys",
+        include_str!("../../migrations/postgres/0009_audit_rows_without_foreign_keys.sql"),
+    ),
 ];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {

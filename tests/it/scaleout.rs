@@ -142,7 +142,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
     })
     .await
     .expect("connect");
-    assert_eq!(store.migration_status().await.expect("status"), (Some(8), 8));
+    assert_eq!(store.migration_status().await.expect("status"), (Some(9), 9));
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",
     )
@@ -167,7 +167,14 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
         .fetch_one(store.pg_pool().expect("pg"))
         .await
         .expect("count");
-    assert_eq!(applied, 8, "each migration applied once");
+    assert_eq!(applied, 9, "each migration applied once");
+    // The audit rows carry no foreign keys (migration 0009).
+    let foreign_keys: Vec<String> =
+        sqlx::query_scalar("SELECT conname::text FROM pg_constraint WHERE contype = 'f' ORDER BY 1")
+            .fetch_all(store.pg_pool().expect("pg"))
+            .await
+            .expect("foreign keys");
+    assert!(foreign_keys.is_empty(), "foreign keys left: {foreign_keys:?}");
     // Leases write no WAL (migration 0007); the operations they guard do.
     let persistence: Vec<(String, String)> = sqlx::query_as(
         "SELECT relname::text, relpersistence::text FROM pg_class \

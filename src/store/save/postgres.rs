@@ -10,13 +10,13 @@
 //! (save/sqlite.rs): one statement, one round trip and one commit for all.
 //!
 //! The statement calls a PL/pgSQL function, temporary to its connection
-//! (`pg_temp`, made on first use), that does each save's work in turn:
-//! the calls and the delivery attempt first, whatever became of the
-//! operation (they happened); then the compare-and-set, and only if it
-//! took, the transitions, the release of the thread's next answer and the
-//! inbox row; it returns the places of the saves that took. Its text is
-//! the same macros as SQLite's trigger, with `$n` turned into the row's
-//! fields. A statement is atomic: if any save in it fails, none of it
+//! (`pg_temp`, made on first use): the calls and the delivery attempts of
+//! the whole batch first, whatever became of their operations (they
+//! happened); then each save in turn, its compare-and-set and, only if it
+//! took, the release of the thread's next answer and the inbox row; then
+//! the transitions of the saves that took. It returns the places of the
+//! saves that took. The per-save text is the same macros as SQLite's
+//! trigger, with `$n` turned into the row's fields. A statement is atomic: if any save in it fails, none of it
 //! stays, and the batch is run again one save per statement so only the
 //! failing save gets the error.
 //!
@@ -56,23 +56,15 @@ const TYPES: [&str; 33] = [
     "boolean", "bigint", "text", "text", "text", "bigint",
 ];
 
-/// One save's statements, with the parameters of the texts shared with
-/// SQLite (`$n`). The empty parts are skipped: each statement run is an
-/// executor started and finished, rows or not.
+/// One save's statements in the function's loop, with the parameters of
+/// the texts shared with SQLite (`$n`): the compare-and-set, and only if
+/// it took, the release of the thread's next answer and the inbox row.
+/// These run save by save, in the batch's order: the update takes its
+/// row's lock, and one order for every batch means two cannot deadlock.
 const SAVE_STEPS: &str = concat!(
-    "IF $26 <> '[]' THEN INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, \
-       error, response_body) SELECT r.operation_id, r.attempt, r.started_at, r.duration_ms, r.status_code, \
-       r.error, r.response_body FROM jsonb_to_recordset($26::jsonb) AS r(operation_id text, attempt bigint, \
-       started_at bigint, duration_ms bigint, status_code bigint, error text, response_body text); END IF; \
-     IF $27 <> '[]' THEN INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code, \
-       error) SELECT r.operation_id, r.call, r.started_at, r.duration_ms, r.status_code, r.error \
-       FROM jsonb_to_recordset($27::jsonb) AS r(operation_id text, call text, started_at bigint, \
-       duration_ms bigint, status_code bigint, error text); END IF; ",
     update_operation!(),
     "; GET DIAGNOSTICS took = ROW_COUNT; CONTINUE WHEN took = 0; \
-     IF $25 <> '[]' THEN INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) \
-       SELECT $19, r.\"from\", r.\"to\", r.at, r.cause, r.actor FROM jsonb_to_recordset($25::jsonb) \
-       AS r(\"from\" text, \"to\" text, at bigint, cause text, actor text); END IF; \
+     taken := taken || s.seq; \
      IF $28 THEN ",
     release_next_answer!("$19", "$24", "$30", "$18"),
     "; END IF; \
@@ -82,20 +74,97 @@ const SAVE_STEPS: &str = concat!(
      RETURN NEXT s.seq;"
 );
 
+/// The rows a save carries in a JSON array (`$n`, each a field of its
+/// own), inserted for the whole batch in one statement: the saves' own
+/// order, then each array's. `only_taken` keeps the saves whose
+/// compare-and-set took. A statement per save was three fourths of the
+/// statements the function ran, each an executor started and finished
+/// (`approvald bench` with `pg_stat_statements` tracking them all; decisions §22).
+fn insert_carried(table: &str, field: &str, columns: &[(&str, &str)], only_taken: bool) -> String {
+    let names: Vec<String> = columns.iter().map(|(c, _)| format!("\"{c}\"")).collect();
+    let typed: Vec<String> = columns.iter().map(|(c, t)| format!("\"{c}\" {t}")).collect();
+    let names = names.join(", ");
+    let picked: Vec<String> = columns.iter().map(|(c, _)| format!("r.\"{c}\"")).collect();
+    // The transitions name their operation by the save; the calls and the
+    // delivery attempts carry it.
+    let (target, picked) = if field == "transitions" {
+        (
+            "operation_id, from_state, to_state, at, cause, actor".to_owned(),
+            format!("x.id, {}", picked.join(", ")),
+        )
+    } else {
+        (names.clone(), picked.join(", "))
+    };
+    format!(
+        "INSERT INTO {table} ({target}) SELECT {picked} \
+         FROM jsonb_to_recordset(batch) AS x(seq bigint, id text, {field} text) \
+         CROSS JOIN LATERAL ROWS FROM (jsonb_to_recordset(x.{field}::jsonb) AS ({typed})) \
+           WITH ORDINALITY AS r({names}, ord) \
+         WHERE x.{field} <> '[]'{taken} ORDER BY x.seq, r.ord; ",
+        typed = typed.join(", "),
+        taken = if only_taken { " AND x.seq = ANY(taken)" } else { "" },
+    )
+}
+
 /// Makes the batch function on the connection. Temporary: each
 /// connection has its own, gone with it, so a new version of approvald
 /// never finds an old one, and nothing is added to the schema.
+///
+/// Its statements keep their generic plans: the transitions' insert,
+/// filtered by the array of saves that took, was otherwise planned anew
+/// on two calls in three (PostgreSQL costs a generic plan for an array of
+/// unknown length above a custom one), and every statement here reads
+/// by a key, which a generic plan serves as well.
+///
+/// The calls and the delivery attempts are inserted first, whatever
+/// became of their operations (they happened); then each save's
+/// compare-and-set and what follows it; then the transitions of those
+/// that took.
 fn setup() -> &'static str {
     static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     TEXT.get_or_init(|| {
-        let record: Vec<String> =
-            SAVE_COLUMNS.iter().zip(TYPES).map(|(c, t)| format!("{c} {t}")).collect();
+        let record: Vec<String> = SAVE_COLUMNS.iter().zip(TYPES).map(|(c, t)| format!("{c} {t}")).collect();
+        let deliveries = insert_carried(
+            "deliveries",
+            "deliveries",
+            &[
+                ("operation_id", "text"),
+                ("attempt", "bigint"),
+                ("started_at", "bigint"),
+                ("duration_ms", "bigint"),
+                ("status_code", "bigint"),
+                ("error", "text"),
+                ("response_body", "text"),
+            ],
+            false,
+        );
+        let calls = insert_carried(
+            "pushary_calls",
+            "calls",
+            &[
+                ("operation_id", "text"),
+                ("call", "text"),
+                ("started_at", "bigint"),
+                ("duration_ms", "bigint"),
+                ("status_code", "bigint"),
+                ("error", "text"),
+            ],
+            false,
+        );
+        let transitions = insert_carried(
+            "transitions",
+            "transitions",
+            &[("from", "text"), ("to", "text"), ("at", "bigint"), ("cause", "text"), ("actor", "text")],
+            true,
+        );
         format!(
             "CREATE OR REPLACE FUNCTION pg_temp.approvald_save_batch(batch jsonb) RETURNS SETOF bigint \
-             LANGUAGE plpgsql AS $fn$ \
+             LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $fn$ \
              #variable_conflict use_column\n \
-             DECLARE s record; took bigint; \
-             BEGIN FOR s IN SELECT * FROM jsonb_to_recordset(batch) AS x({record}) LOOP {steps} END LOOP; END \
+             DECLARE s record; took bigint; taken bigint[] := '{{}}'; \
+             BEGIN {deliveries}{calls}\
+             FOR s IN SELECT * FROM jsonb_to_recordset(batch) AS x({record}) LOOP {steps} END LOOP; \
+             IF cardinality(taken) > 0 THEN {transitions}END IF; END \
              $fn$",
             record = record.join(", "),
             steps = params_as_fields(SAVE_STEPS, "s."),
@@ -437,6 +506,54 @@ mod tests {
         let saved = execute(&pool, &refs).await.expect("runs");
         assert_eq!(saved, vec![true, false, true]);
         assert_eq!(calls(&pool).await, vec![("a".into(), 2), ("c".into(), 1)]);
+        drop_db(&admin, &name, pool).await;
+    }
+
+    // The rows a batch carries go in by one statement per table: the
+    // transitions of the saves that took only, in the batch's order and
+    // each save's own; the delivery attempts of every save, taken or not.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_records_the_transitions_of_the_saves_that_took_in_order() {
+        let Some((admin, name, _store, pool)) = pg("a_batch_records_the_transitions_in_order").await else {
+            return;
+        };
+        let carrying = |id: &str, version: i64, steps: &[&str]| {
+            let mut r = row(id, version, None);
+            let transitions: Vec<Value> = steps
+                .iter()
+                .map(|to| serde_json::json!({"from": "pending", "to": to, "at": 5, "cause": id, "actor": "test"}))
+                .collect();
+            r[24] = SaveValue::Text(Some(Value::Array(transitions).to_string().into()));
+            r[25] = SaveValue::Text(Some(
+                format!(r#"[{{"operation_id":"{id}","attempt":{version},"started_at":1}}]"#).into(),
+            ));
+            r
+        };
+        let rows = [
+            carrying("a", 0, &["answered", "permitted"]),
+            carrying("a", 0, &["stale"]),
+            carrying("b", 0, &["answered"]),
+            carrying("c", 0, &["expired", "archived", "gone"]),
+        ];
+        let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
+        assert_eq!(execute(&pool, &refs).await.expect("runs"), vec![true, false, true, true]);
+        let transitions: Vec<(String, String)> =
+            sqlx::query_as("SELECT operation_id, to_state FROM transitions ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .expect("reads");
+        let expected = [
+            ("a", "answered"),
+            ("a", "permitted"),
+            ("b", "answered"),
+            ("c", "expired"),
+            ("c", "archived"),
+            ("c", "gone"),
+        ];
+        assert_eq!(transitions, expected.map(|(o, t)| (o.to_owned(), t.to_owned())));
+        let deliveries: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM deliveries").fetch_one(&pool).await.expect("reads");
+        assert_eq!(deliveries, 4, "every save's delivery attempt is recorded, the stale one's too");
         drop_db(&admin, &name, pool).await;
     }
 
