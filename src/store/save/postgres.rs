@@ -557,6 +557,41 @@ mod tests {
         drop_db(&admin, &name, pool).await;
     }
 
+    // The second look for the operations of stored callbacks
+    // (`Store::mark_stored_unmarked`) reads the rows it is given by their
+    // key, however many callbacks wait: never through the index of every
+    // waiting row, which PostgreSQL chose, its statistics behind, while
+    // the text named the state beside the ids.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_second_look_reads_its_rows_by_key_not_every_waiting_callback() {
+        let Some((admin, name, _store, pool)) = pg("the_second_look_reads_its_rows_by_key").await else {
+            return;
+        };
+        sqlx::query(
+            "INSERT INTO inbox (tenant, correlation_id, answer, body, body_sha256, source, state, received_at) \
+             SELECT 't', 'dec_' || g, 'approve', '\\x00', 'h', 'pushary', 'new', g \
+             FROM generate_series(1, 60000) AS g",
+        )
+        .execute(&pool)
+        .await
+        .expect("fills the inbox");
+        let ids: Vec<i64> = (59_000..59_256).collect();
+        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN {}",
+            crate::store::db::MARK_STORED_UNMARKED
+        )))
+        .bind(&ids)
+        .fetch_all(&pool)
+        .await
+        .expect("explains");
+        let plan = plan.join("\n");
+        assert!(plan.contains("inbox_pkey"), "{plan}");
+        for every in ["inbox_new_received", "Seq Scan on inbox"] {
+            assert!(!plan.contains(every), "the plan reads every waiting callback: {plan}");
+        }
+        drop_db(&admin, &name, pool).await;
+    }
+
     // Through the queue: saves from many tasks at once all land, each once,
     // in batches of more than one save.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
