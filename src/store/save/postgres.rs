@@ -16,9 +16,10 @@
 //! took, the release of the thread's next answer and the inbox row; then
 //! the transitions of the saves that took. It returns the places of the
 //! saves that took. The per-save text is the same macros as SQLite's
-//! trigger, with `$n` turned into the row's fields. A statement is atomic: if any save in it fails, none of it
-//! stays, and the batch is run again one save per statement so only the
-//! failing save gets the error.
+//! trigger, with `$n` turned into the row's fields. A statement is
+//! atomic: if any save in it fails, none of it stays, and the batch is
+//! run again one save per statement so only the failing save gets the
+//! error.
 //!
 //! Up to `RUNNERS` batches run at once, each on a connection of the pool,
 //! so one batch is collected while others run and commit. A lone save runs
@@ -79,7 +80,8 @@ const SAVE_STEPS: &str = concat!(
 /// order, then each array's. `only_taken` keeps the saves whose
 /// compare-and-set took. A statement per save was three fourths of the
 /// statements the function ran, each an executor started and finished
-/// (`approvald bench` with `pg_stat_statements` tracking them all; decisions §22).
+/// (`approvald bench` with `pg_stat_statements` tracking them all;
+/// decisions §22).
 fn insert_carried(table: &str, field: &str, columns: &[(&str, &str)], only_taken: bool) -> String {
     let names: Vec<String> = columns.iter().map(|(c, _)| format!("\"{c}\"")).collect();
     let typed: Vec<String> = columns.iter().map(|(c, t)| format!("\"{c}\" {t}")).collect();
