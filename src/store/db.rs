@@ -949,7 +949,19 @@ impl Store {
                     .execute(&mut *tx)
                     .await?;
             }
-            sqlx::query("DELETE FROM operations WHERE id = $1").bind(&op.id).execute(&mut *tx).await?;
+            // Still the version archived: the insert above locked nothing,
+            // and a save that took meanwhile must not be deleted unseen
+            // (on PostgreSQL no foreign key of its transitions stops it,
+            // migration 0009).
+            let gone = sqlx::query("DELETE FROM operations WHERE id = $1 AND version = $2")
+                .bind(&op.id)
+                .bind(op.version)
+                .execute(&mut *tx)
+                .await?;
+            if gone.rows_affected() == 0 {
+                tx.rollback().await?;
+                return Ok(false);
+            }
             tx.commit().await?;
             Ok(true)
         })
