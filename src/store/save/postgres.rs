@@ -75,35 +75,37 @@ const SAVE_STEPS: &str = concat!(
      RETURN NEXT s.seq;"
 );
 
-/// The rows a save carries in a JSON array (`$n`, each a field of its
-/// own), inserted for the whole batch in one statement: the saves' own
-/// order, then each array's. `only_taken` keeps the saves whose
-/// compare-and-set took. A statement per save was three fourths of the
-/// statements the function ran, each an executor started and finished
-/// (`approvald bench` with `pg_stat_statements` tracking them all;
-/// decisions §22).
-fn insert_carried(table: &str, field: &str, columns: &[(&str, &str)], only_taken: bool) -> String {
-    let names: Vec<String> = columns.iter().map(|(c, _)| format!("\"{c}\"")).collect();
-    let typed: Vec<String> = columns.iter().map(|(c, t)| format!("\"{c}\" {t}")).collect();
-    let names = names.join(", ");
-    let picked: Vec<String> = columns.iter().map(|(c, _)| format!("r.\"{c}\"")).collect();
-    // The transitions name their operation by the save; the calls and the
-    // delivery attempts carry it.
-    let (target, picked) = if field == "transitions" {
-        (
-            "operation_id, from_state, to_state, at, cause, actor".to_owned(),
-            format!("x.id, {}", picked.join(", ")),
-        )
-    } else {
-        (names.clone(), picked.join(", "))
-    };
+/// The rows a save carries in a JSON array (`field`), inserted for the
+/// whole batch in one statement: the saves' own order, then each array's.
+/// `columns` are (the table's column, the JSON key, its type);
+/// `operation`, the column that names the save's operation where the rows
+/// do not carry it; `only_taken` keeps the saves whose compare-and-set
+/// took. A statement per save was three fourths of the statements the
+/// function ran, each an executor started and finished (`approvald bench`
+/// with `pg_stat_statements` tracking them all; decisions §22).
+fn insert_carried(
+    table: &str,
+    field: &str,
+    operation: Option<&str>,
+    columns: &[(&str, &str, &str)],
+    only_taken: bool,
+) -> String {
+    let mut target: Vec<String> = operation.iter().map(|c| (*c).to_owned()).collect();
+    let mut picked: Vec<String> = operation.iter().map(|_| "x.id".to_owned()).collect();
+    target.extend(columns.iter().map(|(c, _, _)| (*c).to_owned()));
+    picked.extend(columns.iter().map(|(_, k, _)| format!("r.\"{k}\"")));
+    let keys: Vec<String> = columns.iter().map(|(_, k, _)| format!("\"{k}\"")).collect();
+    let typed: Vec<String> = columns.iter().map(|(_, k, t)| format!("\"{k}\" {t}")).collect();
     format!(
         "INSERT INTO {table} ({target}) SELECT {picked} \
          FROM jsonb_to_recordset(batch) AS x(seq bigint, id text, {field} text) \
          CROSS JOIN LATERAL ROWS FROM (jsonb_to_recordset(x.{field}::jsonb) AS ({typed})) \
-           WITH ORDINALITY AS r({names}, ord) \
+           WITH ORDINALITY AS r({keys}, ord) \
          WHERE x.{field} <> '[]'{taken} ORDER BY x.seq, r.ord; ",
+        target = target.join(", "),
+        picked = picked.join(", "),
         typed = typed.join(", "),
+        keys = keys.join(", "),
         taken = if only_taken { " AND x.seq = ANY(taken)" } else { "" },
     )
 }
@@ -126,37 +128,48 @@ fn setup() -> &'static str {
     static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     TEXT.get_or_init(|| {
         let record: Vec<String> = SAVE_COLUMNS.iter().zip(TYPES).map(|(c, t)| format!("{c} {t}")).collect();
+        // The calls and the delivery attempts carry their operation; a
+        // transition is named by its save.
         let deliveries = insert_carried(
             "deliveries",
             "deliveries",
+            None,
             &[
-                ("operation_id", "text"),
-                ("attempt", "bigint"),
-                ("started_at", "bigint"),
-                ("duration_ms", "bigint"),
-                ("status_code", "bigint"),
-                ("error", "text"),
-                ("response_body", "text"),
+                ("operation_id", "operation_id", "text"),
+                ("attempt", "attempt", "bigint"),
+                ("started_at", "started_at", "bigint"),
+                ("duration_ms", "duration_ms", "bigint"),
+                ("status_code", "status_code", "bigint"),
+                ("error", "error", "text"),
+                ("response_body", "response_body", "text"),
             ],
             false,
         );
         let calls = insert_carried(
             "pushary_calls",
             "calls",
+            None,
             &[
-                ("operation_id", "text"),
-                ("call", "text"),
-                ("started_at", "bigint"),
-                ("duration_ms", "bigint"),
-                ("status_code", "bigint"),
-                ("error", "text"),
+                ("operation_id", "operation_id", "text"),
+                ("call", "call", "text"),
+                ("started_at", "started_at", "bigint"),
+                ("duration_ms", "duration_ms", "bigint"),
+                ("status_code", "status_code", "bigint"),
+                ("error", "error", "text"),
             ],
             false,
         );
         let transitions = insert_carried(
             "transitions",
             "transitions",
-            &[("from", "text"), ("to", "text"), ("at", "bigint"), ("cause", "text"), ("actor", "text")],
+            Some("operation_id"),
+            &[
+                ("from_state", "from", "text"),
+                ("to_state", "to", "text"),
+                ("at", "at", "bigint"),
+                ("cause", "cause", "text"),
+                ("actor", "actor", "text"),
+            ],
             true,
         );
         format!(
