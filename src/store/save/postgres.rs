@@ -110,6 +110,12 @@ fn insert_carried(
     )
 }
 
+/// (column, type) pairs as `insert_carried`'s columns, each JSON key the
+/// column's name.
+fn same_keys<'a>(columns: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str, &'a str)> {
+    columns.iter().map(|&(c, t)| (c, c, t)).collect()
+}
+
 /// Makes the batch function on the connection. Temporary: each
 /// connection has its own, gone with it, so a new version of approvald
 /// never finds an old one, and nothing is added to the schema.
@@ -134,29 +140,29 @@ fn setup() -> &'static str {
             "deliveries",
             "deliveries",
             None,
-            &[
-                ("operation_id", "operation_id", "text"),
-                ("attempt", "attempt", "bigint"),
-                ("started_at", "started_at", "bigint"),
-                ("duration_ms", "duration_ms", "bigint"),
-                ("status_code", "status_code", "bigint"),
-                ("error", "error", "text"),
-                ("response_body", "response_body", "text"),
-            ],
+            &same_keys(&[
+                ("operation_id", "text"),
+                ("attempt", "bigint"),
+                ("started_at", "bigint"),
+                ("duration_ms", "bigint"),
+                ("status_code", "bigint"),
+                ("error", "text"),
+                ("response_body", "text"),
+            ]),
             false,
         );
         let calls = insert_carried(
             "pushary_calls",
             "calls",
             None,
-            &[
-                ("operation_id", "operation_id", "text"),
-                ("call", "call", "text"),
-                ("started_at", "started_at", "bigint"),
-                ("duration_ms", "duration_ms", "bigint"),
-                ("status_code", "status_code", "bigint"),
-                ("error", "error", "text"),
-            ],
+            &same_keys(&[
+                ("operation_id", "text"),
+                ("call", "text"),
+                ("started_at", "bigint"),
+                ("duration_ms", "bigint"),
+                ("status_code", "bigint"),
+                ("error", "text"),
+            ]),
             false,
         );
         let transitions = insert_carried(
