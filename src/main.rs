@@ -218,7 +218,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Bench(options) => {
-            init_logging("pretty", "warn");
+            // The growth fill's statements take seconds by design: sqlx's
+            // slow-statement warnings would only break the progress line.
+            init_logging("pretty", "warn,sqlx::query=error");
             approvald::bench::run(options).await
         }
         Command::Ops(cmd) => ops(cmd).await,
