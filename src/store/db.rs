@@ -262,8 +262,9 @@ macro_rules! insert_inbox_rows {
 /// each is prepared once per connection.
 pub(super) type BatchTexts = [std::sync::OnceLock<String>; super::MAX_BATCH.ilog2() as usize + 1];
 
-/// The text for `rows` rows from `texts`, built by `build` the first time
-/// (and every time for a size that is not a power of two up to `MAX_BATCH`).
+/// The text for `rows` rows (a batch's, or a read's limit) from `texts`,
+/// built by `build` the first time (and every time for a size that is not
+/// a power of two up to `MAX_BATCH`).
 pub(super) fn batch_text(
     texts: &'static BatchTexts,
     rows: usize,
@@ -1344,12 +1345,14 @@ impl Store {
                 // fresh plan and planned the statement on every call
                 // (`pg_stat_statements` under `approvald bench`: 2,438 plans
                 // in 2,527 calls, 0.39 ms of planning each).
-                // Each text is built once, on the first read with its limit.
-                static TEXTS: [std::sync::OnceLock<String>; 65] = [const { std::sync::OnceLock::new() }; 65];
-                let rounded = limit.max(16).unsigned_abs().next_power_of_two();
-                let text = TEXTS[rounded.trailing_zeros() as usize]
-                    .get_or_init(|| threads_with_work_text(&rounded.to_string()));
-                sqlx::query(AssertSqlSafe(text.as_str())).bind(now).fetch_all(pool).await?
+                // Each text is built once, as the inbox's batch texts are.
+                static TEXTS: BatchTexts = [const { std::sync::OnceLock::new() }; _];
+                let rounded = usize::try_from(limit.max(16)).unwrap_or(16).next_power_of_two();
+                let q = match batch_text(&TEXTS, rounded, |n| threads_with_work_text(&n.to_string())) {
+                    std::borrow::Cow::Borrowed(text) => sqlx::query(text),
+                    std::borrow::Cow::Owned(text) => sqlx::query(AssertSqlSafe(text)),
+                };
+                q.bind(now).fetch_all(pool).await?
             } else {
                 // `LIMIT $2 + 0`, not `LIMIT $2`: SQLite (3.51) plans with the
                 // value bound to a bare LIMIT parameter and so expires the
