@@ -303,6 +303,72 @@ async fn the_inbox_indexes_correlation_ids_once_its_unique_key() {
 }
 }
 
+// A lease's transaction writes nothing that must outlive a crash (the
+// leases' table is unlogged), so it commits without waiting for the WAL's
+// flush: `synchronous_commit` off for that transaction alone. The setting
+// must not outlive it: a connection left with it off would commit the
+// next save on it asynchronously, and a callback's answer, a consume in
+// flight or a receipt could then be lost to a crash after being acted on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_commits_without_waiting_for_the_wal_and_leaves_its_connection_durable() {
+    on_postgres(module_path!(), async {
+        let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+        let id = app.enqueue_ok(&confirm("async-lease")).await;
+        // One connection, so the lease's statements and the checks share it.
+        let store = approvald::store::Store::connect(&approvald::config::StoreConfig {
+            url: app.store_url(),
+            sqlite_synchronous: "full".into(),
+            max_connections: 1,
+            busy_timeout_ms: 5000,
+        })
+        .await
+        .expect("connects");
+        let pool = store.pg_pool().expect("PostgreSQL").clone();
+        sqlx::raw_sql(
+            "CREATE TABLE lease_commit_modes (n bigserial, event text, mode text); \
+             CREATE FUNCTION record_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+               INSERT INTO lease_commit_modes (event, mode) VALUES (TG_OP, current_setting('synchronous_commit')); \
+               RETURN NULL; END $$; \
+             CREATE TRIGGER record_commit_mode AFTER INSERT OR UPDATE OR DELETE ON thread_leases \
+               FOR EACH ROW EXECUTE FUNCTION record_commit_mode();",
+        )
+        .execute(&pool)
+        .await
+        .expect("a trigger recording each lease write's commit mode");
+        let mode = || async {
+            sqlx::query_scalar::<_, String>("SHOW synchronous_commit").fetch_one(&pool).await.expect("shows")
+        };
+        let now = approvald::clock::now_ms();
+        match store.take_thread("default", "thread-async-lease", "w", now, now + 60_000).await.expect("store") {
+            Some(Some(approvald::store::ThreadWork::Due(op))) => assert_eq!(op.id, id),
+            other => panic!("the thread taken with its due step: {other:?}"),
+        }
+        assert_eq!(mode().await, "on", "the lease's setting outlived its transaction");
+        sqlx::query("UPDATE operations SET due_at = NULL WHERE id = $1")
+            .bind(&id)
+            .execute(&pool)
+            .await
+            .expect("nothing due");
+        let (work, released) = store
+            .next_work_or_release("default", "thread-async-lease", approvald::clock::now_ms(), "w")
+            .await
+            .expect("store");
+        assert!(work.is_none() && released, "nothing left: the lease is given up");
+        assert_eq!(mode().await, "on", "the release's setting outlived its transaction");
+        let modes: Vec<(String, String)> =
+            sqlx::query_as("SELECT event, mode FROM lease_commit_modes ORDER BY n")
+                .fetch_all(&pool)
+                .await
+                .expect("reads");
+        assert_eq!(
+            modes,
+            [("INSERT".to_owned(), "off".to_owned()), ("DELETE".to_owned(), "off".to_owned())],
+            "the lease taken and given up, each in a transaction that does not wait for the WAL"
+        );
+    })
+    .await;
+}
+
 /// Runs `body` on PostgreSQL only (with `APPROVALD_TEST_PG_URL`; loudly
 /// skipped without it): the races below need concurrent writers, which
 /// SQLite's one writer never has.
