@@ -49,6 +49,20 @@ macro_rules! inbox_cols_as_i {
     };
 }
 
+/// An SQL expression that lets the transaction in which it runs commit
+/// without waiting for the WAL's flush (`synchronous_commit` off until
+/// that transaction ends, never beyond). For the lease's transactions on
+/// PostgreSQL, which write nothing that must outlive a crash (the leases'
+/// table is unlogged) but whose reads of `operations` may prune a page:
+/// that writes WAL, and the commit then waited for a flush on every
+/// answer's way to its effect (decisions §23). The worker's next durable
+/// commit flushes the WAL past it anyway.
+macro_rules! commit_without_flush {
+    () => {
+        "set_config('synchronous_commit', 'off', true)"
+    };
+}
+
 /// Whether the `inbox` row in scope waits behind an earlier answer of the
 /// thread (`$thread`) that still has resume work: answers of a thread
 /// resume in arrival order. Read with the entry, not by a query of its own.
@@ -420,17 +434,7 @@ macro_rules! pg_thread_work_rows {
 /// (save/postgres.rs). PL/pgSQL prepares each statement once per
 /// connection and, the function being volatile, runs each on a snapshot
 /// of its own.
-///
-/// Its transaction commits without waiting for the WAL's flush
-/// (`synchronous_commit` off, for that transaction alone; the release's
-/// statement in `thread_work` does the same). It writes nothing that must
-/// outlive a crash: the leases' table is unlogged (decisions §15). But its
-/// read of `operations` may prune a page, which writes WAL, and a
-/// transaction that wrote WAL and holds a transaction id (the lease's)
-/// waits for the flush at commit. Sampling `pg_stat_activity` during
-/// `approvald bench` found these reads waiting on the WAL's flush, on
-/// every answer's way to its effect. Nothing acts on the lease's commit
-/// but this process, and the worker's next durable commit flushes it too.
+/// It commits without waiting for the WAL (`commit_without_flush!`).
 fn take_thread_setup() -> &'static str {
     concat!(
         "CREATE OR REPLACE FUNCTION pg_temp.approvald_take_thread(text, text, text, bigint, bigint) \
@@ -439,7 +443,9 @@ fn take_thread_setup() -> &'static str {
          #variable_conflict use_column\n \
          DECLARE got text; \
          BEGIN \
-           PERFORM set_config('synchronous_commit', 'off', true); \
+           PERFORM ",
+        commit_without_flush!(),
+        "; \
            INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ($1, $2, $3, $5) \
              ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until \
              WHERE thread_leases.until <= $4 OR thread_leases.owner = excluded.owner \
@@ -1578,7 +1584,7 @@ impl Store {
                 };
             }
             // The lease goes when no row is work now (see `flag` below),
-            // committed without waiting for the WAL (`take_thread_setup`).
+            // committed without waiting for the WAL (`commit_without_flush!`).
             let sql = if PG && matches!(visit, Visit::Take { .. }) {
                 take_thread_text()
             } else if PG && matches!(visit, Visit::Release { .. }) {
@@ -1587,7 +1593,9 @@ impl Store {
                     pg_thread_work!(),
                     "), r AS (DELETE FROM thread_leases WHERE tenant = $1 AND thread_id = $2 AND owner = $4 \
                        AND NOT EXISTS (SELECT 1 FROM w WHERE w.answer_waits = 1 OR w.due_at <= $3) \
-                       AND set_config('synchronous_commit', 'off', true) IS NOT NULL) \
+                       AND ",
+                    commit_without_flush!(),
+                    " IS NOT NULL) \
                      SELECT * FROM w"
                 )
             } else if PG {
