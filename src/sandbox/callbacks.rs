@@ -1,7 +1,9 @@
 //! Callback delivery, as Pushary does it: a signed POST to the decision's
-//! `callbackUrl`, retried with exponential backoff until a 2xx.
+//! `callbackUrl`, retried with exponential backoff until a 2xx, at most
+//! `IN_FLIGHT` at once.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
@@ -15,6 +17,13 @@ use crate::pushary::signature::sign;
 const MAX_ATTEMPTS: usize = 50;
 const FIRST_DELAY: Duration = Duration::from_millis(200);
 const MAX_DELAY: Duration = Duration::from_secs(30);
+
+/// The most callbacks sent at once, to all receivers together, over as
+/// many kept-alive connections: a webhook sender bounds what it has in
+/// flight. Without a bound, a burst of answers (the bench answers
+/// thousands at once) opened a connection per callback, and their set-ups
+/// held up the sandbox's own API (the permit consumes) for half a second.
+pub(super) const IN_FLIGHT: usize = 64;
 
 #[derive(Debug)]
 pub(super) struct CallbackJob {
@@ -69,14 +78,21 @@ async fn deliver(shared: Arc<Shared>, job: CallbackJob) {
         // carry the new secret, and the old one stops verifying at once.
         let secret = shared.lock().webhook_secret.clone();
         let signature = sign(&secret, &job.body);
-        let sent = shared
-            .http
-            .post(&job.url)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header("X-Pushary-Signature", signature)
-            .body(job.body.clone())
-            .send()
-            .await;
+        let sent = async {
+            shared.callbacks_queued.fetch_add(1, Ordering::Relaxed);
+            let slot = shared.callback_slots.acquire().await;
+            shared.callbacks_queued.fetch_sub(1, Ordering::Relaxed);
+            let _slot = slot.expect("the semaphore is never closed");
+            shared
+                .http
+                .post(&job.url)
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .header("X-Pushary-Signature", signature)
+                .body(job.body.clone())
+                .send()
+                .await
+        }
+        .await;
         let outcome = match &sent {
             Ok(response) => Ok(response.status().as_u16()),
             Err(error) => Err(error.to_string()),

@@ -149,6 +149,10 @@ pub(crate) struct Shared {
     /// re-check their condition instead of polling on a timer.
     changed: watch::Sender<u64>,
     http: reqwest::Client,
+    /// Callbacks being sent now, at most `callbacks::IN_FLIGHT`.
+    callback_slots: tokio::sync::Semaphore,
+    /// Callbacks waiting for one of those slots.
+    callbacks_queued: std::sync::atomic::AtomicUsize,
     shutdown: CancellationToken,
     /// Injected faults of the Pushary API itself (not of decisions).
     faults: Mutex<ApiFaults>,
@@ -278,6 +282,8 @@ pub async fn start(
         state: Mutex::new(State::new(config.webhook_secret)),
         changed: watch::channel(0).0,
         http,
+        callback_slots: tokio::sync::Semaphore::new(callbacks::IN_FLIGHT),
+        callbacks_queued: std::sync::atomic::AtomicUsize::new(0),
         shutdown: shutdown.clone(),
         faults: Mutex::new(ApiFaults::default()),
     });
@@ -352,6 +358,12 @@ impl SandboxHandle {
 
     pub fn receipts(&self, permit_id: &str) -> Option<ReceiptView> {
         self.shared.lock().receipt_view(permit_id)
+    }
+
+    /// Callbacks waiting to be sent behind the `callbacks::IN_FLIGHT`
+    /// being sent.
+    pub fn callbacks_queued(&self) -> usize {
+        self.shared.callbacks_queued.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Answers as the phone would, then sends (or loses) the callback.

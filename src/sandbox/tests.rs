@@ -319,3 +319,70 @@ async fn the_page_answers_like_the_phone() {
     assert_eq!(status, 200);
     shutdown.cancel();
 }
+
+/// A receiver that holds every callback until `open` is sent, counting
+/// those it holds at once.
+#[derive(Clone)]
+struct GatedReceiver {
+    held: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+#[tokio::test]
+async fn a_burst_of_answers_sends_a_bounded_number_of_callbacks_at_once() {
+    async fn hook(State(r): State<GatedReceiver>) -> StatusCode {
+        let now = r.held.fetch_add(1, Ordering::SeqCst) + 1;
+        r.most.fetch_max(now, Ordering::SeqCst);
+        let mut open = r.open.clone();
+        let _ = open.wait_for(|o| *o).await;
+        r.held.fetch_sub(1, Ordering::SeqCst);
+        StatusCode::OK
+    }
+    async fn until(what: &str, mut condition: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !condition() {
+            assert!(tokio::time::Instant::now() < deadline, "{what} within {WAIT:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let shutdown = CancellationToken::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind sandbox");
+    let sandbox = start(listener, SandboxConfig::default(), shutdown.clone()).await.expect("sandbox starts");
+    let (gate, open) = tokio::sync::watch::channel(false);
+    let receiver = GatedReceiver { held: Arc::default(), most: Arc::default(), open };
+    let hook_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind receiver");
+    let hook_url = format!("http://{}/hook", hook_listener.local_addr().expect("receiver address"));
+    let app = Router::new().route("/hook", post(hook)).with_state(receiver.clone());
+    let stop = shutdown.clone();
+    tokio::spawn(async move {
+        let _ = axum::serve(hook_listener, app).with_graceful_shutdown(stop.cancelled_owned()).await;
+    });
+    let api = Client {
+        http: crate::http::client_builder().build().expect("client"),
+        base: sandbox.base_url(),
+        key: sandbox.api_key(),
+    };
+    let extra = 16;
+    let mut ids = Vec::new();
+    for n in 0..callbacks::IN_FLIGHT + extra {
+        let body = json!({"question": "q", "externalId": format!("user-{n}"), "callbackUrl": hook_url});
+        let (status, created) = api.post("/decisions", body).await;
+        assert_eq!(status, 200, "{created}");
+        ids.push(created["decisionId"].as_str().expect("decision id").to_string());
+    }
+    for id in &ids {
+        sandbox.answer(id, "yes", CallbackMode::Send).await.expect("answered");
+    }
+
+    until("the bound reached", || receiver.held.load(Ordering::SeqCst) == callbacks::IN_FLIGHT).await;
+    until("the rest queued behind it", || sandbox.callbacks_queued() == extra).await;
+    assert_eq!(receiver.most.load(Ordering::SeqCst), callbacks::IN_FLIGHT);
+
+    gate.send_replace(true);
+    for id in &ids {
+        assert!(delivered(&sandbox, id).await, "{id} delivered once the receiver answers");
+    }
+    assert_eq!((receiver.most.load(Ordering::SeqCst), sandbox.callbacks_queued()), (callbacks::IN_FLIGHT, 0));
+    shutdown.cancel();
+}
