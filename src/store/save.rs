@@ -20,18 +20,21 @@ use crate::domain::state::State;
 /// The compare-and-set of the operation row. `inbox_at` (an answer waits
 /// for this operation) is cleared with the inbox row the save consumes,
 /// and set when a decision id is recorded for which an answer already
-/// waits (it arrived before the id).
+/// waits (it arrived before the id). The row's own columns are named with
+/// the table's name, since PostgreSQL's batch joins the saves' rows, which
+/// have columns of the same names.
 macro_rules! update_operation {
     () => {
         "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
          outcome_status = $6, result = $7, receipt = $8, receipt_outcome = $9, consume_inflight = $10, \
          consume_attempts = $11, delivery_inflight = $12, attempts = $13, last_error = $14, due_at = $15, \
-         poll_at = $16, opened_at = $17, updated_at = $18, resume_seq = $21, version = version + 1, \
+         poll_at = $16, opened_at = $17, updated_at = $18, resume_seq = $21, \
+         version = operations.version + 1, \
          inbox_at = CASE WHEN $22 THEN NULL \
-           WHEN $23 AND inbox_at IS NULL THEN (SELECT i.received_at FROM inbox i \
+           WHEN $23 AND operations.inbox_at IS NULL THEN (SELECT i.received_at FROM inbox i \
              WHERE i.tenant = $24 AND i.correlation_id = $2 AND i.state = 'new') \
-           ELSE inbox_at END \
-         WHERE id = $19 AND version = $20"
+           ELSE operations.inbox_at END \
+         WHERE operations.id = $19 AND operations.version = $20"
     };
 }
 
