@@ -74,15 +74,16 @@ async fn deliver(shared: Arc<Shared>, job: CallbackJob) {
         .with_max_times(MAX_ATTEMPTS - 1)
         .build();
     loop {
-        // Read per attempt: after a rotation even retries of older callbacks
-        // carry the new secret, and the old one stops verifying at once.
-        let secret = shared.lock().webhook_secret.clone();
-        let signature = sign(&secret, &job.body);
         let sent = async {
             shared.callbacks_queued.fetch_add(1, Ordering::Relaxed);
             let slot = shared.callback_slots.acquire().await;
             shared.callbacks_queued.fetch_sub(1, Ordering::Relaxed);
             let _slot = slot.expect("the semaphore is never closed");
+            // Read per attempt, once it may be sent: after a rotation even
+            // retries of older callbacks, and those that waited for a slot,
+            // carry the new secret, and the old one stops verifying at once.
+            let secret = shared.lock().webhook_secret.clone();
+            let signature = sign(&secret, &job.body);
             shared
                 .http
                 .post(&job.url)
