@@ -24,7 +24,9 @@ use crate::domain::state::State;
 /// the table's name, since PostgreSQL's batch joins the saves' rows, which
 /// have columns of the same names.
 macro_rules! update_operation {
-    () => {
+    // The update without its condition: PostgreSQL's batch puts the rows
+    // it joins between the two (save/postgres.rs).
+    (set) => {
         "UPDATE operations SET state = $1, decision_id = $2, answer = $3, permit_id = $4, delivery = $5, \
          outcome_status = $6, result = $7, receipt = $8, receipt_outcome = $9, consume_inflight = $10, \
          consume_attempts = $11, delivery_inflight = $12, attempts = $13, last_error = $14, due_at = $15, \
@@ -33,8 +35,13 @@ macro_rules! update_operation {
          inbox_at = CASE WHEN $22 THEN NULL \
            WHEN $23 AND operations.inbox_at IS NULL THEN (SELECT i.received_at FROM inbox i \
              WHERE i.tenant = $24 AND i.correlation_id = $2 AND i.state = 'new') \
-           ELSE operations.inbox_at END \
-         WHERE operations.id = $19 AND operations.version = $20"
+           ELSE operations.inbox_at END"
+    };
+    (condition) => {
+        "operations.id = $19 AND operations.version = $20"
+    };
+    () => {
+        concat!(update_operation!(set), " WHERE ", update_operation!(condition))
     };
 }
 

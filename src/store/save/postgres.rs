@@ -16,10 +16,10 @@
 //! then, save by save, for those that took, the release of the thread's
 //! next answer and the inbox row; then their transitions. It returns the
 //! places of the saves that took. The per-save texts are the same macros
-//! as SQLite's trigger, with `$n` turned into the row's fields. A statement is
-//! atomic: if any save in it fails, none of it stays, and the batch is
-//! run again one save per statement so only the failing save gets the
-//! error.
+//! as SQLite's trigger, with `$n` turned into the row's fields. A
+//! statement is atomic: if any save in it fails, none of it stays, and
+//! the batch is run again one save per statement so only the failing save
+//! gets the error.
 //!
 //! Up to `RUNNERS` batches run at once, each on a connection of the pool,
 //! so one batch is collected while others run and commit. A lone save runs
@@ -78,10 +78,8 @@ const AFTER_TAKEN: &str = concat!(
 /// one order; should a plan ever take them otherwise, PostgreSQL detects
 /// the deadlock and the batch is run again save by save.
 fn compare_and_set(record: &str) -> String {
-    let cas = params_as_fields(update_operation!(), "b.");
-    // The last WHERE is the compare-and-set's own: the one before it is in
-    // the subquery that finds a waiting answer.
-    let (set, condition) = cas.rsplit_once(" WHERE ").expect("the compare-and-set has a condition");
+    let set = params_as_fields(update_operation!(set), "b.");
+    let condition = params_as_fields(update_operation!(condition), "b.");
     format!(
         "WITH took AS ({set} FROM jsonb_to_recordset(batch) AS b({record}) WHERE {condition} RETURNING b.seq) \
          SELECT coalesce(array_agg(seq), '{{}}') INTO taken FROM took; "
