@@ -112,7 +112,7 @@ impl Application {
         let wake = Arc::clone(&engine);
         let inbox =
             crate::store::InboxWriter::start(engine.store().clone(), move |threads| wake.offer(threads));
-        let state = AppState {
+        let state = AppState::new(api::Shared {
             inbox,
             callback_slots: Arc::new(tokio::sync::Semaphore::new(config.server.max_concurrent_callbacks)),
             secret_cache: Arc::default(),
@@ -120,7 +120,7 @@ impl Application {
             webhook_secrets: Arc::new(webhook_secrets),
             config: Arc::new(config),
             engine: Arc::clone(&engine),
-        };
+        });
         Ok(Self { listener, state, engine, role: Role::All })
     }
 

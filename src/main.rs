@@ -14,6 +14,13 @@ use approvald::domain::state::State;
 use approvald::store::{OperationFilter, Store};
 use clap::{Args, Parser, Subcommand};
 
+/// glibc's allocator was a sixth of approvald's CPU under load (`perf`:
+/// `malloc`, `free` and their consolidation, for the many small buffers of
+/// each request and row); mimalloc cut approvald's CPU per callback and
+/// per approval by a sixth to a fifth (docs/decisions.md §26).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Durable human approvals for AI agents: opens Pushary decisions, receives
 /// their signed callbacks into a durable inbox, and resumes each operation
 /// exactly once (permit consumed before the effect, outcome delivered to
