@@ -5,8 +5,12 @@
 //!
 //! Writers take whatever is queued when they are free (up to `MAX_BATCH`),
 //! so a lone callback is committed at once, with no batching delay. SQLite
-//! has one writer (it serializes writes anyway); PostgreSQL has several, so
-//! one batch is collected while another is being flushed.
+//! has one writer (it serializes writes anyway); PostgreSQL has two, so
+//! one batch is collected while another is being flushed. Not more: the
+//! WAL's flushes are one at a time, so each extra writer split the same
+//! callbacks into smaller batches, each paying a statement and a flush of
+//! its own (decisions §27: four writers cost a fifth more CPU per callback
+//! than two, and acknowledged fewer).
 
 use std::sync::Arc;
 
@@ -78,7 +82,7 @@ impl InboxWriter {
         let on_stored: OnStored = Arc::new(on_stored);
         let pg = store.is_postgres();
         let second_look = pg.then(|| spawn_second_look(store.clone(), Arc::clone(&on_stored)));
-        let writers = if pg { 4 } else { 1 };
+        let writers = if pg { 2 } else { 1 };
         for _ in 0..writers {
             let (store, rx, on_stored) = (store.clone(), Arc::clone(&rx), Arc::clone(&on_stored));
             let second_look = second_look.clone();
