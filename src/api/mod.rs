@@ -49,6 +49,8 @@ impl std::ops::Deref for AppState {
     }
 }
 
+/// The parts of [`AppState`], built once by `app.rs` and shared by every
+/// request.
 pub struct Shared {
     pub config: Arc<Config>,
     pub engine: Arc<Engine>,

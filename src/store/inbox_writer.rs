@@ -9,8 +9,8 @@
 //! one batch is collected while another is being flushed. Not more: the
 //! WAL's flushes are one at a time, so each extra writer split the same
 //! callbacks into smaller batches, each paying a statement and a flush of
-//! its own (decisions §27: four writers cost a fifth more CPU per callback
-//! than two, and acknowledged fewer).
+//! its own (decisions §27: the machine's CPU per callback was up to a third
+//! higher with four writers than with two, and they acknowledged fewer).
 
 use std::sync::Arc;
 
