@@ -109,6 +109,7 @@ pub struct StoreConfig {
     pub sqlite_synchronous: String,
     pub max_connections: u32,
     pub busy_timeout_ms: u64,
+    pub sqlite_cache_kib: u32,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -337,6 +338,9 @@ impl Config {
         }
         if self.store.max_connections == 0 {
             return Err(invalid("store.max_connections", "must be at least 1"));
+        }
+        if self.store.sqlite_cache_kib < 64 {
+            return Err(invalid("store.sqlite_cache_kib", "must be at least 64"));
         }
         for (i, t) in self.api.tokens.iter().enumerate() {
             if t.expose().len() < 16 {
@@ -586,6 +590,8 @@ mod tests {
         assert!(!e.contains("nodot"), "the secret must not be echoed: {e}");
         let e = Config::from_toml(&format!("{MIN}\n[worker]\nconcurrency = 0")).unwrap_err().to_string();
         assert!(e.contains("worker.concurrency"), "{e}");
+        let e = Config::from_toml(&format!("{MIN}\n[store]\nsqlite_cache_kib = 10")).unwrap_err().to_string();
+        assert!(e.contains("store.sqlite_cache_kib"), "{e}");
         let e = Config::from_toml(&format!("{MIN}\n[server]\nlisten = \"nope\"")).unwrap_err().to_string();
         assert!(e.contains("server.listen"), "{e}");
         let e = Config::from_toml(&format!("{MIN}\n[worker]\nconcurency = 3")).unwrap_err().to_string();

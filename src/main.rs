@@ -365,6 +365,7 @@ async fn open_store(arg: &StoreArg, progress: &mut Progress) -> anyhow::Result<S
                 sqlite_synchronous: "full".into(),
                 max_connections: 1,
                 busy_timeout_ms: 5000,
+                sqlite_cache_kib: 1024,
             }
         }
         None => Config::load(arg.config.config.as_deref())?.store,

@@ -38,6 +38,7 @@ pub async fn sqlite_inbox(dir: &Path, fill: u64, batch: usize, secs: f64) -> any
         sqlite_synchronous: "full".into(),
         max_connections: 1,
         busy_timeout_ms: 5000,
+        sqlite_cache_kib: 1024,
     })
     .await?;
     store.migrate().await?;

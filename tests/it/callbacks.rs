@@ -320,6 +320,7 @@ async fn a_lease_commits_without_waiting_for_the_wal_and_leaves_its_connection_d
             sqlite_synchronous: "full".into(),
             max_connections: 1,
             busy_timeout_ms: 5000,
+            sqlite_cache_kib: 1024,
         })
         .await
         .expect("connects");

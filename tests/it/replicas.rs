@@ -89,6 +89,7 @@ async fn run() {
         sqlite_synchronous: "full".into(),
         max_connections: 2,
         busy_timeout_ms: 5000,
+        sqlite_cache_kib: 1024,
     })
     .await
     .expect("store");

@@ -139,6 +139,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
         sqlite_synchronous: "full".into(),
         max_connections: 1,
         busy_timeout_ms: 5000,
+        sqlite_cache_kib: 1024,
     })
     .await
     .expect("connect");

@@ -226,6 +226,7 @@ async fn soak_thousands_of_operations_with_duplicates_drops_and_kills() {
         sqlite_synchronous: "full".into(),
         max_connections: 2,
         busy_timeout_ms: 5000,
+        sqlite_cache_kib: 1024,
     })
     .await
     .expect("open the store");

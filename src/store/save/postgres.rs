@@ -479,6 +479,7 @@ mod tests {
             sqlite_synchronous: "full".into(),
             max_connections: 4,
             busy_timeout_ms: 5000,
+            sqlite_cache_kib: 1024,
         };
         let store = Store::connect(&config).await.expect("opens");
         store.migrate().await.expect("migrates");
