@@ -216,6 +216,21 @@ fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Secret>, D:
     })
 }
 
+impl StoreConfig {
+    /// `url` with config/default.toml's `[store]` settings and a pool of
+    /// `max_connections`: for the commands and benches that open a store
+    /// without a config file, so they open it as the daemon would.
+    pub fn with_defaults(url: String, max_connections: u32) -> Self {
+        #[derive(Deserialize)]
+        struct Defaults {
+            store: StoreConfig,
+        }
+        let defaults: Defaults =
+            Figment::from(Toml::string(DEFAULT_TOML)).extract().expect("config/default.toml is valid");
+        Self { url, max_connections, ..defaults.store }
+    }
+}
+
 impl Config {
     /// Loads defaults, then `file` (if any), then the environment.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
@@ -602,6 +617,17 @@ mod tests {
         assert!(e.contains("effects.x.secret") && !e.contains("\"bad\""), "{e}");
         let e = Config::from_toml("").unwrap_err().to_string();
         assert!(e.contains("pushary.api_key"), "{e}");
+    }
+
+    #[test]
+    fn a_store_opened_without_a_config_file_has_the_default_settings() {
+        let store = StoreConfig::with_defaults("sqlite://x.db".into(), 1);
+        let defaults = Config::from_toml(MIN).expect("valid").store;
+        assert_eq!(store.url, "sqlite://x.db");
+        assert_eq!(store.max_connections, 1);
+        assert_eq!(store.sqlite_cache_kib, defaults.sqlite_cache_kib);
+        assert_eq!(store.sqlite_synchronous, defaults.sqlite_synchronous);
+        assert_eq!(store.busy_timeout_ms, defaults.busy_timeout_ms);
     }
 
     #[test]

@@ -360,13 +360,7 @@ async fn open_store(arg: &StoreArg, progress: &mut Progress) -> anyhow::Result<S
             if !path.exists() {
                 anyhow::bail!("--db: {} does not exist", path.display());
             }
-            StoreConfig {
-                url: format!("sqlite://{}", path.display()),
-                sqlite_synchronous: "full".into(),
-                max_connections: 1,
-                busy_timeout_ms: 5000,
-                sqlite_cache_kib: 1024,
-            }
+            StoreConfig::with_defaults(format!("sqlite://{}", path.display()), 1)
         }
         None => Config::load(arg.config.config.as_deref())?.store,
     };

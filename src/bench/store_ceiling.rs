@@ -33,14 +33,7 @@ pub async fn sqlite_inbox(dir: &Path, fill: u64, batch: usize, secs: f64) -> any
     let path = dir.join(format!("ceiling-{batch}.db"));
     let url = format!("sqlite://{}", path.display());
     // approvald's own schema, every index included, as `serve` migrates it.
-    let store = Store::connect(&StoreConfig {
-        url: url.clone(),
-        sqlite_synchronous: "full".into(),
-        max_connections: 1,
-        busy_timeout_ms: 5000,
-        sqlite_cache_kib: 1024,
-    })
-    .await?;
+    let store = Store::connect(&StoreConfig::with_defaults(url.clone(), 1)).await?;
     store.migrate().await?;
     store.close().await;
     let mut conn = SqliteConnectOptions::from_str(&url)?

@@ -1806,13 +1806,7 @@ pub(super) mod test_support {
     /// A migrated SQLite store in a temporary directory, and its pool.
     pub(crate) async fn sqlite_store() -> (tempfile::TempDir, Store, SqlitePool) {
         let dir = tempfile::tempdir().expect("a temporary directory");
-        let config = StoreConfig {
-            url: format!("sqlite://{}", dir.path().join("s.db").display()),
-            sqlite_synchronous: "full".into(),
-            max_connections: 2,
-            busy_timeout_ms: 5000,
-            sqlite_cache_kib: 1024,
-        };
+        let config = StoreConfig::with_defaults(format!("sqlite://{}", dir.path().join("s.db").display()), 2);
         let store = Store::connect(&config).await.expect("opens");
         store.migrate().await.expect("migrates");
         let Backend::Sqlite(pool) = store.backend.clone() else { unreachable!("a SQLite URL") };

@@ -315,13 +315,7 @@ async fn a_lease_commits_without_waiting_for_the_wal_and_leaves_its_connection_d
         let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
         let id = app.enqueue_ok(&confirm("async-lease")).await;
         // One connection, so the lease's statements and the checks share it.
-        let store = approvald::store::Store::connect(&approvald::config::StoreConfig {
-            url: app.store_url(),
-            sqlite_synchronous: "full".into(),
-            max_connections: 1,
-            busy_timeout_ms: 5000,
-            sqlite_cache_kib: 1024,
-        })
+        let store = approvald::store::Store::connect(&approvald::config::StoreConfig::with_defaults(app.store_url(), 1))
         .await
         .expect("connects");
         let pool = store.pg_pool().expect("PostgreSQL").clone();

@@ -84,15 +84,7 @@ async fn run() {
         })
         .collect();
 
-    let store = Store::connect(&StoreConfig {
-        url: d.store_url(),
-        sqlite_synchronous: "full".into(),
-        max_connections: 2,
-        busy_timeout_ms: 5000,
-        sqlite_cache_kib: 1024,
-    })
-    .await
-    .expect("store");
+    let store = Store::connect(&StoreConfig::with_defaults(d.store_url(), 2)).await.expect("store");
     // All decisions opened (by whichever replica took each thread).
     let opened = Instant::now();
     loop {

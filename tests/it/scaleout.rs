@@ -134,15 +134,10 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
     assert!(a.wait().expect("a").success());
     assert!(b.wait().expect("b").success());
     assert!(migrate().wait().expect("again").success());
-    let store = approvald::store::Store::connect(&approvald::config::StoreConfig {
-        url: db.url.clone(),
-        sqlite_synchronous: "full".into(),
-        max_connections: 1,
-        busy_timeout_ms: 5000,
-        sqlite_cache_kib: 1024,
-    })
-    .await
-    .expect("connect");
+    let store =
+        approvald::store::Store::connect(&approvald::config::StoreConfig::with_defaults(db.url.clone(), 1))
+            .await
+            .expect("connect");
     assert_eq!(store.migration_status().await.expect("status"), (Some(9), 9));
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",

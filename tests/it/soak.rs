@@ -221,13 +221,7 @@ async fn soak_thousands_of_operations_with_duplicates_drops_and_kills() {
     }
 
     // Everything must settle: terminal, receipts recorded or refused.
-    let store = Store::connect(&StoreConfig {
-        url: d.store_url(),
-        sqlite_synchronous: "full".into(),
-        max_connections: 2,
-        busy_timeout_ms: 5000,
-        sqlite_cache_kib: 1024,
-    })
+    let store = Store::connect(&StoreConfig::with_defaults(d.store_url(), 2))
     .await
     .expect("open the store");
     crate::harness::wait_settled(&store, STEP_LIMIT, || d.stderr()).await;

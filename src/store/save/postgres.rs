@@ -474,13 +474,7 @@ mod tests {
             Some((server, _)) => format!("{server}/{name}"),
             None => unreachable!("a PostgreSQL URL names a database"),
         };
-        let config = StoreConfig {
-            url: url.clone(),
-            sqlite_synchronous: "full".into(),
-            max_connections: 4,
-            busy_timeout_ms: 5000,
-            sqlite_cache_kib: 1024,
-        };
+        let config = StoreConfig::with_defaults(url.clone(), 4);
         let store = Store::connect(&config).await.expect("opens");
         store.migrate().await.expect("migrates");
         let pool = store.pg_pool().expect("a PostgreSQL store").clone();
