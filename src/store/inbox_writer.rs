@@ -3,18 +3,22 @@
 //! after the commit that holds it. One fsync then covers many callbacks,
 //! which is what lets ingest outrun single-row commits (docs/performance.md).
 //!
-//! Writers take whatever is queued when they are free (up to `MAX_BATCH`),
-//! so a lone callback is committed at once, with no batching delay. SQLite
-//! has one writer (it serializes writes anyway); PostgreSQL has two, so
-//! one batch is collected while another is being flushed. Not more: the
-//! WAL's flushes are one at a time, so each extra writer split the same
-//! callbacks into smaller batches, each paying a statement and a flush of
-//! its own (decisions §27: the machine's CPU per callback was up to a third
-//! higher with four writers than with two, and they acknowledged fewer).
+//! A writer takes whatever is queued when it is free (up to `MAX_BATCH`),
+//! so a lone callback is committed at once, with no batching delay, and
+//! the next batch holds every callback that arrived during the last one.
+//! SQLite has one writer (it serializes writes anyway). PostgreSQL has one
+//! and a standby: the standby commits the callbacks queued behind a batch
+//! of the first that takes longer than `STANDBY_AFTER`, so a batch held up
+//! does not hold up the rest (decisions §29). Two writers taking turns
+//! split the same callbacks into smaller batches, each paying a statement
+//! and a flush of its own, and the WAL's flushes are one at a time anyway
+//! (§27: more writers, more CPU per callback, fewer acknowledged).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
-use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 
 use super::{InboxInsert, Store, StoreError};
 
@@ -37,6 +41,14 @@ pub struct OwnedInboxEntry {
 type OnStored = Arc<dyn Fn(&[(String, String)]) + Send + Sync>;
 
 type Job = (OwnedInboxEntry, oneshot::Sender<Result<InboxInsert, StoreError>>);
+
+/// The callbacks waiting for a writer, shared by the writers.
+type Queue = Arc<Mutex<mpsc::Receiver<Job>>>;
+
+/// How long PostgreSQL's first writer may take over a batch before the
+/// standby commits what is queued behind it. Several times a batch's
+/// usual commit, even on a slow-flushing day (decisions §29).
+const STANDBY_AFTER: Duration = Duration::from_millis(10);
 
 /// The receiver's handle; cheap to clone.
 #[derive(Clone, Debug)]
@@ -71,6 +83,127 @@ fn spawn_second_look(store: Store, on_stored: OnStored) -> mpsc::Sender<Vec<i64>
     tx
 }
 
+/// The first PostgreSQL writer's batches, watched by the standby.
+#[derive(Default)]
+struct Watch {
+    /// Odd while the first writer is committing a batch: each batch adds
+    /// one when it begins and one when it ends, so the standby can tell
+    /// the batch it timed from the next.
+    turn: AtomicU64,
+    /// Told when a batch begins, and when the first writer stops.
+    begun: Notify,
+    stopped: AtomicBool,
+}
+
+/// What every writer does with a batch: commit it, then answer each
+/// callback and hand on its thread.
+#[derive(Clone)]
+struct Committer {
+    store: Store,
+    on_stored: OnStored,
+    second_look: Option<mpsc::Sender<Vec<i64>>>,
+}
+
+impl Committer {
+    async fn look_again(&self, unmarked: Vec<i64>) {
+        if let Some(tx) = self.second_look.as_ref().filter(|_| !unmarked.is_empty()) {
+            let _ = tx.send(unmarked).await;
+        }
+    }
+
+    async fn commit(&self, jobs: &mut Vec<Job>) {
+        let (entries, replies): (Vec<OwnedInboxEntry>, Vec<_>) = jobs.drain(..).unzip();
+        match self.store.insert_inbox_batch(&entries).await {
+            Ok(batch) => {
+                // Committed, nothing acknowledged and no worker woken yet:
+                // a crash here leaves the callbacks to the next process
+                // (tests/it/crash.rs). Here rather than in the handler, so
+                // that no worker of this process has begun on them when
+                // the process dies.
+                crate::fault::point("after_inbox_commit");
+                if !batch.threads.is_empty() {
+                    (self.on_stored)(&batch.threads);
+                }
+                for (reply, r) in replies.into_iter().zip(batch.results) {
+                    let _ = reply.send(Ok(r));
+                }
+                self.look_again(batch.unmarked).await;
+            }
+            // One bad entry must not fail its neighbours: retry them one by
+            // one (in an outage each fails fast).
+            Err(e) if entries.len() > 1 => {
+                tracing::warn!(error = %e, batch = entries.len(), "inbox batch failed; retrying singly");
+                for (entry, reply) in entries.into_iter().zip(replies) {
+                    let mut r = self.store.insert_inbox_batch(std::slice::from_ref(&entry)).await;
+                    if let Ok(b) = &r
+                        && !b.threads.is_empty()
+                    {
+                        (self.on_stored)(&b.threads);
+                    }
+                    let unmarked = r.as_mut().map(|b| std::mem::take(&mut b.unmarked)).unwrap_or_default();
+                    let _ = reply.send(r.map(|mut b| b.results.remove(0)));
+                    self.look_again(unmarked).await;
+                }
+            }
+            Err(e) => {
+                for reply in replies {
+                    let _ = reply.send(Err(StoreError::Unavailable(e.to_string())));
+                }
+            }
+        }
+    }
+}
+
+/// The writer: takes whatever is queued when it is free. `watch`, on
+/// PostgreSQL, tells the standby when each batch begins and ends.
+async fn first_writer(committer: Committer, rx: Queue, watch: Option<Arc<Watch>>) {
+    let mut jobs = Vec::with_capacity(MAX_BATCH);
+    loop {
+        if rx.lock().await.recv_many(&mut jobs, MAX_BATCH).await == 0 {
+            break;
+        }
+        if let Some(w) = &watch {
+            w.turn.fetch_add(1, Ordering::AcqRel);
+            w.begun.notify_one();
+        }
+        committer.commit(&mut jobs).await;
+        if let Some(w) = &watch {
+            w.turn.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+    if let Some(w) = watch {
+        w.stopped.store(true, Ordering::Release);
+        w.begun.notify_one();
+    }
+}
+
+/// PostgreSQL's second writer: idle while the first keeps up, it commits
+/// what is queued behind a batch of the first that has taken longer than
+/// `STANDBY_AFTER`, and goes on doing so until that batch is done. So the
+/// first writer's batches hold every callback that arrived during the
+/// last one, and a batch held up (a row lock, a backend or task not run)
+/// does not hold up the callbacks behind it.
+async fn standby_writer(committer: Committer, rx: Queue, watch: Arc<Watch>) {
+    let mut jobs = Vec::with_capacity(MAX_BATCH);
+    loop {
+        watch.begun.notified().await;
+        if watch.stopped.load(Ordering::Acquire) {
+            return;
+        }
+        let turn = watch.turn.load(Ordering::Acquire);
+        if turn.is_multiple_of(2) {
+            continue;
+        }
+        tokio::time::sleep(STANDBY_AFTER).await;
+        while watch.turn.load(Ordering::Acquire) == turn {
+            if rx.lock().await.recv_many(&mut jobs, MAX_BATCH).await == 0 {
+                return;
+            }
+            committer.commit(&mut jobs).await;
+        }
+    }
+}
+
 impl InboxWriter {
     /// Starts the writer tasks. They end when every handle is dropped,
     /// after committing what was queued.
@@ -78,78 +211,17 @@ impl InboxWriter {
     /// waiting, after the commit that holds it.
     pub fn start(store: Store, on_stored: impl Fn(&[(String, String)]) + Send + Sync + 'static) -> Self {
         let (tx, rx) = mpsc::channel::<Job>(MAX_BATCH * 4);
-        let rx = Arc::new(Mutex::new(rx));
+        let rx: Queue = Arc::new(Mutex::new(rx));
         let on_stored: OnStored = Arc::new(on_stored);
         let pg = store.is_postgres();
         let second_look = pg.then(|| spawn_second_look(store.clone(), Arc::clone(&on_stored)));
-        let writers = if pg { 2 } else { 1 };
-        for _ in 0..writers {
-            let (store, rx, on_stored) = (store.clone(), Arc::clone(&rx), Arc::clone(&on_stored));
-            let second_look = second_look.clone();
-            let look_again = move |unmarked: Vec<i64>| {
-                let second_look = second_look.clone();
-                async move {
-                    if let Some(tx) = second_look.filter(|_| !unmarked.is_empty()) {
-                        let _ = tx.send(unmarked).await;
-                    }
-                }
-            };
-            let task = async move {
-                let mut jobs = Vec::with_capacity(MAX_BATCH);
-                loop {
-                    {
-                        let mut rx = rx.lock().await;
-                        if rx.recv_many(&mut jobs, MAX_BATCH).await == 0 {
-                            return;
-                        }
-                    }
-                    let (entries, replies): (Vec<OwnedInboxEntry>, Vec<_>) = jobs.drain(..).unzip();
-                    match store.insert_inbox_batch(&entries).await {
-                        Ok(batch) => {
-                            // Committed, nothing acknowledged and no worker
-                            // woken yet: a crash here leaves the callbacks to
-                            // the next process (tests/it/crash.rs). Here rather
-                            // than in the handler, so that no worker of this
-                            // process has begun on them when the process dies.
-                            crate::fault::point("after_inbox_commit");
-                            if !batch.threads.is_empty() {
-                                on_stored(&batch.threads);
-                            }
-                            for (reply, r) in replies.into_iter().zip(batch.results) {
-                                let _ = reply.send(Ok(r));
-                            }
-                            look_again(batch.unmarked).await;
-                        }
-                        // One bad entry must not fail its neighbours: retry
-                        // them one by one (in an outage each fails fast).
-                        Err(e) if entries.len() > 1 => {
-                            tracing::warn!(error = %e, batch = entries.len(), "inbox batch failed; retrying singly");
-                            for (entry, reply) in entries.into_iter().zip(replies) {
-                                let mut r = store.insert_inbox_batch(std::slice::from_ref(&entry)).await;
-                                if let Ok(b) = &r
-                                    && !b.threads.is_empty()
-                                {
-                                    on_stored(&b.threads);
-                                }
-                                let unmarked =
-                                    r.as_mut().map(|b| std::mem::take(&mut b.unmarked)).unwrap_or_default();
-                                let _ = reply.send(r.map(|mut b| b.results.remove(0)));
-                                look_again(unmarked).await;
-                            }
-                        }
-                        Err(e) => {
-                            for reply in replies {
-                                let _ = reply.send(Err(StoreError::Unavailable(e.to_string())));
-                            }
-                        }
-                    }
-                }
-            };
-            if pg {
-                tokio::spawn(task);
-            } else {
-                super::sqlite_group::spawn(task);
-            }
+        let committer = Committer { store, on_stored, second_look };
+        if pg {
+            let watch = Arc::new(Watch::default());
+            tokio::spawn(standby_writer(committer.clone(), Arc::clone(&rx), Arc::clone(&watch)));
+            tokio::spawn(first_writer(committer, rx, Some(watch)));
+        } else {
+            super::sqlite_group::spawn(first_writer(committer, rx, None));
         }
         Self { tx }
     }

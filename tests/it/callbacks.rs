@@ -403,25 +403,26 @@ async fn hold(app: &TestApp, trigger: &str, when: &str) -> sqlx::PgConnection {
     lock
 }
 
+/// How many writers wait at the trigger of `hold_at` now.
+async fn writers_held(app: &TestApp) -> i64 {
+    let pool = app.store().pg_pool().expect("PostgreSQL");
+    sqlx::query_scalar(
+        // Advisory locks are per database, and pg_locks shows the
+        // cluster's: another test's waiter must not count.
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         AND classid = 0 AND objid = $1 AND objsubid = 1",
+    )
+    .bind(KEY)
+    .fetch_one(pool)
+    .await
+    .expect("pg_locks")
+}
+
 /// Waits (bounded) until a writer waits at the trigger of `hold_at`.
 async fn wait_held(app: &TestApp) {
-    let pool = app.store().pg_pool().expect("PostgreSQL");
     let start = std::time::Instant::now();
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            // Advisory locks are per database, and pg_locks shows the
-            // cluster's: another test's waiter must not count.
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-             AND classid = 0 AND objid = $1 AND objsubid = 1",
-        )
-        .bind(KEY)
-        .fetch_one(pool)
-        .await
-        .expect("pg_locks");
-        if waiting > 0 {
-            return;
-        }
+    while writers_held(app).await == 0 {
         assert!(start.elapsed() < crate::harness::WAIT, "no writer reached the trigger");
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
@@ -544,6 +545,37 @@ async fn a_decision_id_saved_while_its_callback_is_stored_is_applied_at_once() {
         assert_eq!(app.get(&id).await["state"], "pending", "opened while its callback is being stored");
         release_and_expect_stored(&mut lock, callback).await;
         applied_once(&app, &id, &decision).await;
+    })
+    .await;
+}
+
+// PostgreSQL's first inbox writer holds every callback that arrived during
+// its last batch; a batch of it held up (here its insert waits on a lock)
+// must not hold up the callbacks queued behind it: the standby writer
+// commits them (decisions §29). With one writer the callback behind is
+// answered only once the held statement fails on its lock timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callback_behind_a_held_up_batch_is_committed_meanwhile() {
+    on_postgres(module_path!(), async {
+        let app = TestApp::spawn_with(Options { manual: true, ..Options::default() }).await;
+        let mut lock = hold_at(&app, "inbox", "INSERT", "NEW.correlation_id = 'dec_held'").await;
+        let (body, sig) = app.signed_callback("dec_held", "yes");
+        let held = post_in_background(&app, body, sig);
+        wait_held(&app).await;
+        let (body, sig) = app.signed_callback("dec_behind", "yes");
+        let behind = post_in_background(&app, body, sig);
+        let status = tokio::time::timeout(crate::harness::WAIT, behind)
+            .await
+            .expect("the callback behind is answered")
+            .expect("joins");
+        assert_eq!(status, 200);
+        assert_eq!(writers_held(&app).await, 1, "answered while the first batch still waits");
+        assert!(!held.is_finished(), "the held callback is not answered before its commit");
+        release_and_expect_stored(&mut lock, held).await;
+        for decision in ["dec_held", "dec_behind"] {
+            let entry = app.store().inbox_by_correlation("default", decision).await.expect("store");
+            assert_eq!(entry.expect("stored").state, "new", "{decision}");
+        }
     })
     .await;
 }
