@@ -1120,7 +1120,8 @@ impl Store {
         // First without the conflict clause: `ON CONFLICT` makes every
         // row a speculative insertion (a look in the unique index before
         // the insert, and a record confirming it after), which cost
-        // PostgreSQL a seventh more CPU per stored row (decisions §30).
+        // the machine about a seventh more CPU per stored row in pgbench
+        // (decisions §30).
         // A repeat of a stored callback is rare (Pushary sends again only
         // what was not acknowledged); it fails the statement, which then
         // runs with the clause.
