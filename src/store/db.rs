@@ -261,6 +261,7 @@ pub struct BatchInsert {
 /// Stores the rows of `v` (but its padding) that are not repeats of an
 /// archived decision; a repeat of a stored one conflicts and is counted by
 /// the caller.
+///
 /// `insert_inbox_rows!(plain)` leaves the conflict clause out: the whole
 /// statement then fails on a repeat (PostgreSQL's first try, see
 /// `Store::insert_inbox_batch`).
@@ -335,9 +336,8 @@ macro_rules! bind_inbox_rows {
 }
 
 /// PostgreSQL's batch insert text for `rows` rows (a power of two); it
-/// is on every batch's path. SQLite's is in `inbox_sqlite`.
-/// The inbox batch's text for `rows` rows; `plain`, without the conflict
-/// clause.
+/// is on every batch's path. SQLite's is in `inbox_sqlite`. `plain`: the
+/// first try's, without the conflict clause.
 fn inbox_insert_text(rows: usize, plain: bool) -> std::borrow::Cow<'static, str> {
     static TEXTS: BatchTexts = [const { std::sync::OnceLock::new() }; _];
     static PLAIN: BatchTexts = [const { std::sync::OnceLock::new() }; _];
@@ -1114,17 +1114,15 @@ impl Store {
         // By entry: the id of the row it stored (first entries only).
         let mut stored: Vec<Option<i64>> = vec![None; entries.len()];
         let mut threads: Vec<(String, String)> = Vec::new();
-        // The insert is a statement of its own; the repeats (rare) get a
-        // transaction after it.
         let mut unmarked: Vec<i64> = Vec::new();
-        // First without the conflict clause: `ON CONFLICT` makes every
-        // row a speculative insertion (a look in the unique index before
-        // the insert, and a record confirming it after), which cost
-        // the machine about a seventh more CPU per stored row in pgbench
-        // (decisions §30).
-        // A repeat of a stored callback is rare (Pushary sends again only
-        // what was not acknowledged); it fails the statement, which then
-        // runs with the clause.
+        // The insert is a statement of its own; the repeats (rare) get a
+        // transaction after it. It is tried first without the conflict
+        // clause: `ON CONFLICT` makes every row a speculative insertion (a
+        // look in the unique index before the insert, and a record
+        // confirming it after), which cost the machine about a seventh
+        // more CPU per stored row in pgbench (decisions §30). A repeat of
+        // a stored callback (Pushary sends again only what was not
+        // acknowledged) fails the statement, which then runs with it.
         let stored_rows = match query(true).fetch_all(&mut *conn).await {
             Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
                 query(false).fetch_all(&mut *conn).await?
