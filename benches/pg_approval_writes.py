@@ -14,15 +14,19 @@ and the machine's CPU per approval (PostgreSQL, pgbench and the kernel;
 
 - `rows`: the five writes the guarantees name and nothing else (the
   inbox row, then the four saves' updates of the operation row), each
-  step its own durable commit;
+  its own statement and durable commit;
 - `all`: every statement an approval's visit runs, as above, each step
-  one transaction;
+  one statement (its parts in `WITH`) and one commit, as approvald's
+  steps are one statement each;
+- `visits`: as `all`, but each approval's lease with the first read, and
+  its last read with the release, are statements and transactions of
+  their own, as approvald's visits to threads are;
 
 each with N approvals per transaction and statement (a batch), as
 approvald's inbox writer and save queue gather them (`approvald bench`
 on PostgreSQL measured about six saves per batch at full speed; a
-visit's lease and reads are per approval, so these runs batch them more
-than approvald does). At 2,000 approvals/s the two cores have 1.0 ms per
+visit's lease and reads are per approval, which `all` batches and
+`visits` does not). At 2,000 approvals/s the two cores have 1.0 ms per
 approval for everything. There is no batch of one: the batch's form (a
 key list from `generate_series`) costs a lone row more executor set-up
 than approvald's own single-row statements do.
@@ -99,21 +103,52 @@ def call(n, kind):
     )
 
 
+def visit(n, k):
+    """The lease taken with the first read, and the last read with the
+    lease let go, for the batch's k-th operation alone: as approvald
+    visits a thread, by statements of its own."""
+    g = f"((:b)::int * {n} + {k + 1})"
+    op, thread = OP.replace("g::text", f"{g}::text"), THREAD.replace("g::text", f"{g}::text")
+    read = f"SELECT count(*) FROM operations WHERE id = {op} AND due_at IS NOT NULL;"
+    take = [
+        "SET LOCAL synchronous_commit = off;",
+        f"INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('default', {thread}, 'w', "
+        "1700000000000) ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until;",
+        read,
+    ]
+    release = ["SET LOCAL synchronous_commit = off;", read, f"DELETE FROM thread_leases WHERE tenant = 'default' AND thread_id = {thread};"]
+    return take, release
+
+
 def script(kind, n):
     head = [f"\\set b random(0, {OPERATIONS // n - 1})", "\\set r random(1, 1000000000000000)"]
     ops = batch_ops(n)
     if kind == "rows":
         return "\n".join(head + [INBOX.format(n=n)] + [s.format(ops=ops) for s in SAVES]) + "\n"
     read = f"SELECT count(*) FROM operations WHERE {ops} AND due_at IS NOT NULL;"
-    steps = [
+    if kind == "visits":
+        visits = [visit(n, k) for k in range(n)]
+        takes, releases = [t for t, _ in visits], [r for _, r in visits]
+    else:
+        takes = [
+            [
+                "SET LOCAL synchronous_commit = off;",
+                "INSERT INTO thread_leases (tenant, thread_id, owner, until) SELECT 'default', "
+                f"{THREAD}, 'w', 1700000000000 FROM {ids(n)} g ON CONFLICT (tenant, thread_id) "
+                "DO UPDATE SET owner = excluded.owner, until = excluded.until;",
+                read,
+            ]
+        ]
+        releases = [
+            [
+                "SET LOCAL synchronous_commit = off;",
+                read,
+                f"DELETE FROM thread_leases WHERE tenant = 'default' AND thread_id IN (SELECT {THREAD} FROM {ids(n)} g);",
+            ]
+        ]
+    transactions = [
         [INBOX.format(n=n), f"UPDATE operations SET inbox_at = 1700000000000 WHERE {ops};"],
-        [
-            "SET LOCAL synchronous_commit = off;",
-            "INSERT INTO thread_leases (tenant, thread_id, owner, until) SELECT 'default', "
-            f"{THREAD}, 'w', 1700000000000 FROM {ids(n)} g ON CONFLICT (tenant, thread_id) "
-            "DO UPDATE SET owner = excluded.owner, until = excluded.until;",
-            read,
-        ],
+        *takes,
         [
             SAVES[0].format(ops=ops),
             transitions(n, "answered", "answer received via callback"),
@@ -128,16 +163,27 @@ def script(kind, n):
             f"SELECT {OP}, 1, 1700000000000, 1, 200, '{{\"ok\": true}}' FROM {ids(n)} g;",
         ],
         [SAVES[3].format(ops=ops), call(n, "receipt")],
-        [
-            "SET LOCAL synchronous_commit = off;",
-            read,
-            f"DELETE FROM thread_leases WHERE tenant = 'default' AND thread_id IN (SELECT {THREAD} FROM {ids(n)} g);",
-        ],
+        *releases,
     ]
-    body = head
-    for step in steps:
-        body += ["BEGIN;", *step, "COMMIT;"]
-    return "\n".join(body) + "\n"
+    return "\n".join(head + [one_statement(t) for t in transactions]) + "\n"
+
+
+def one_statement(statements):
+    """A step's statements as one (data-modifying `WITH` parts, then the
+    read), sent and committed as approvald sends a step: one round trip.
+    `SET LOCAL synchronous_commit = off` becomes `set_config` for the
+    statement's own transaction, as approvald's lease statements do."""
+    parts, read, commit_async = [], "SELECT 1", False
+    for s in statements:
+        s = s.rstrip(";")
+        if s.startswith("SET LOCAL synchronous_commit"):
+            commit_async = True
+        elif s.startswith("SELECT"):
+            read = s
+        else:
+            parts.append(f"w{len(parts)} AS ({s} RETURNING 1)")
+    tail = f"SELECT ({read})" + (", set_config('synchronous_commit', 'off', true)" if commit_async else "")
+    return (f"WITH {', '.join(parts)} " if parts else "") + tail + ";"
 
 
 def psql(sql, url=DB_URL):
@@ -191,7 +237,7 @@ def main():
         psql("VACUUM ANALYZE")
         tmp = pathlib.Path(tempfile.mkdtemp())
         runs = [("baseline: single-row commits", "INSERT INTO bench_baseline (body) VALUES (repeat('x', 300));\n", 64, 1)]
-        for kind in ("rows", "all"):
+        for kind in ("rows", "all", "visits"):
             for n in BATCHES:
                 runs.append((f"{kind}, {n} per batch", script(kind, n), min(64, max(4, 128 // n)), n))
         results = {name: [] for name, *_ in runs}
