@@ -71,119 +71,111 @@ INBOX = (
     "INSERT INTO inbox (tenant, correlation_id, answer, answered_at, body, body_sha256, source, state, "
     "received_at) SELECT 'default', 'c' || (:r)::bigint || '_' || g, 'yes', '2026-12-06T00:00:00Z', "
     "convert_to(repeat('b', 300), 'UTF8'), md5(g::text) || md5(g::text), 'callback', 'new', 1700000000000 "
-    "FROM generate_series(1, {n}) g;"
+    "FROM generate_series(1, {n}) g"
 )
 SAVES = [
     "UPDATE operations SET state = 'answered', answer = 'yes', consume_inflight = 1, inbox_at = NULL, "
     "updated_at = updated_at + 1, due_at = 1700000030000, poll_at = NULL, resume_seq = 5, "
-    "version = version + 1 WHERE {ops};",
+    "version = version + 1 WHERE {ops}",
     "UPDATE operations SET state = 'permitted', permit_id = 'pmt_ecc561e24b0f33b4314aeea3', "
     "consume_inflight = 0, delivery = 'pending', delivery_inflight = 1, updated_at = updated_at + 1, "
-    "due_at = 1700000031000, version = version + 1 WHERE {ops};",
+    "due_at = 1700000031000, version = version + 1 WHERE {ops}",
     "UPDATE operations SET state = 'succeeded', delivery = 'done', delivery_inflight = 0, "
     "receipt = 'pending', result = '{{\"ok\": true}}', outcome_status = '200', updated_at = updated_at + 1, "
-    "due_at = 1700000032000, resume_seq = NULL, version = version + 1 WHERE {ops};",
+    "due_at = 1700000032000, resume_seq = NULL, version = version + 1 WHERE {ops}",
     "UPDATE operations SET receipt = 'recorded', receipt_outcome = 'succeeded', updated_at = updated_at + 1, "
-    "due_at = NULL, version = version + 1 WHERE {ops};",
+    "due_at = NULL, version = version + 1 WHERE {ops}",
 ]
 
 
-def transitions(n, to, cause, per=1):
+def transitions(n, frm, to, cause, per=1):
     op = OP.replace("g::text", f"(g / {per})::text")
     return (
         "INSERT INTO transitions (operation_id, from_state, to_state, at, cause, actor) "
-        f"SELECT {op}, 'answered', '{to}', 1700000000000, '{cause}', 'worker' FROM {ids(n, per)} g;"
+        f"SELECT {op}, '{frm}', '{to}', 1700000000000, '{cause}', 'worker' FROM {ids(n, per)} g"
     )
 
 
 def call(n, kind):
     return (
         "INSERT INTO pushary_calls (operation_id, call, started_at, duration_ms, status_code) "
-        f"SELECT {OP}, '{kind}', 1700000000000, 1, 200 FROM {ids(n)} g;"
+        f"SELECT {OP}, '{kind}', 1700000000000, 1, 200 FROM {ids(n)} g"
     )
 
 
+def lease(rows, ops, threads):
+    """A visit's two statements: the lease taken with the first read, and
+    the last read with the lease let go; `rows` are the lease rows'
+    source, `ops` and `threads` the conditions naming the visited
+    operations and threads. Each commits without waiting for the WAL's
+    flush, as approvald's do (decisions §23)."""
+    read = f"SELECT count(*) FROM operations WHERE {ops} AND due_at IS NOT NULL"
+    take = (
+        f"INSERT INTO thread_leases (tenant, thread_id, owner, until) {rows} ON CONFLICT (tenant, thread_id) "
+        "DO UPDATE SET owner = excluded.owner, until = excluded.until"
+    )
+    release = f"DELETE FROM thread_leases WHERE tenant = 'default' AND {threads}"
+    return one_statement([take], read, commit_async=True), one_statement([release], read, commit_async=True)
+
+
 def visit(n, k):
-    """The lease taken with the first read, and the last read with the
-    lease let go, for the batch's k-th operation alone: as approvald
-    visits a thread, by statements of its own."""
+    """`lease` for the batch's k-th operation alone, by statements of its
+    own, as approvald visits a thread."""
     g = f"((:b)::int * {n} + {k + 1})"
     op, thread = OP.replace("g::text", f"{g}::text"), THREAD.replace("g::text", f"{g}::text")
-    read = f"SELECT count(*) FROM operations WHERE id = {op} AND due_at IS NOT NULL;"
-    take = [
-        "SET LOCAL synchronous_commit = off;",
-        f"INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('default', {thread}, 'w', "
-        "1700000000000) ON CONFLICT (tenant, thread_id) DO UPDATE SET owner = excluded.owner, until = excluded.until;",
-        read,
-    ]
-    release = ["SET LOCAL synchronous_commit = off;", read, f"DELETE FROM thread_leases WHERE tenant = 'default' AND thread_id = {thread};"]
-    return take, release
+    return lease(f"VALUES ('default', {thread}, 'w', 1700000000000)", f"id = {op}", f"thread_id = {thread}")
 
 
 def script(kind, n):
     head = [f"\\set b random(0, {OPERATIONS // n - 1})", "\\set r random(1, 1000000000000000)"]
     ops = batch_ops(n)
     if kind == "rows":
-        return "\n".join(head + [INBOX.format(n=n)] + [s.format(ops=ops) for s in SAVES]) + "\n"
-    read = f"SELECT count(*) FROM operations WHERE {ops} AND due_at IS NOT NULL;"
+        return "\n".join(head + [INBOX.format(n=n) + ";"] + [s.format(ops=ops) + ";" for s in SAVES]) + "\n"
     if kind == "visits":
-        visits = [visit(n, k) for k in range(n)]
-        takes, releases = [t for t, _ in visits], [r for _, r in visits]
+        takes, releases = zip(*(visit(n, k) for k in range(n)))
     else:
-        takes = [
-            [
-                "SET LOCAL synchronous_commit = off;",
-                "INSERT INTO thread_leases (tenant, thread_id, owner, until) SELECT 'default', "
-                f"{THREAD}, 'w', 1700000000000 FROM {ids(n)} g ON CONFLICT (tenant, thread_id) "
-                "DO UPDATE SET owner = excluded.owner, until = excluded.until;",
-                read,
-            ]
-        ]
-        releases = [
-            [
-                "SET LOCAL synchronous_commit = off;",
-                read,
-                f"DELETE FROM thread_leases WHERE tenant = 'default' AND thread_id IN (SELECT {THREAD} FROM {ids(n)} g);",
-            ]
-        ]
-    transactions = [
-        [INBOX.format(n=n), f"UPDATE operations SET inbox_at = 1700000000000 WHERE {ops};"],
+        take, release = lease(
+            f"SELECT 'default', {THREAD}, 'w', 1700000000000 FROM {ids(n)} g",
+            ops,
+            f"thread_id IN (SELECT {THREAD} FROM {ids(n)} g)",
+        )
+        takes, releases = [take], [release]
+    steps = [
+        one_statement([INBOX.format(n=n), f"UPDATE operations SET inbox_at = 1700000000000 WHERE {ops}"]),
         *takes,
-        [
-            SAVES[0].format(ops=ops),
-            transitions(n, "answered", "answer received via callback"),
-            "UPDATE inbox SET state = 'processed', processed_at = 1, operation_id = 'x' WHERE tenant = 'default' "
-            f"AND correlation_id IN (SELECT 'c' || (:r)::bigint || '_' || g FROM generate_series(1, {n}) g);",
-        ],
-        [SAVES[1].format(ops=ops), transitions(n, "permitted", "permit consumed", per=2), call(n, "consume")],
-        [
-            SAVES[2].format(ops=ops),
-            transitions(n, "succeeded", "the effect target confirmed"),
-            "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, response_body) "
-            f"SELECT {OP}, 1, 1700000000000, 1, 200, '{{\"ok\": true}}' FROM {ids(n)} g;",
-        ],
-        [SAVES[3].format(ops=ops), call(n, "receipt")],
+        one_statement(
+            [
+                SAVES[0].format(ops=ops),
+                transitions(n, "pending", "answered", "answer received via callback"),
+                "UPDATE inbox SET state = 'processed', processed_at = 1, operation_id = 'x' WHERE tenant = 'default' "
+                f"AND correlation_id IN (SELECT 'c' || (:r)::bigint || '_' || g FROM generate_series(1, {n}) g)",
+            ]
+        ),
+        one_statement(
+            [SAVES[1].format(ops=ops), transitions(n, "answered", "permitted", "permit consumed", per=2), call(n, "consume")]
+        ),
+        one_statement(
+            [
+                SAVES[2].format(ops=ops),
+                transitions(n, "delivering", "succeeded", "the effect target confirmed"),
+                "INSERT INTO deliveries (operation_id, attempt, started_at, duration_ms, status_code, response_body) "
+                f"SELECT {OP}, 1, 1700000000000, 1, 200, '{{\"ok\": true}}' FROM {ids(n)} g",
+            ]
+        ),
+        one_statement([SAVES[3].format(ops=ops), call(n, "receipt")]),
         *releases,
     ]
-    return "\n".join(head + [one_statement(t) for t in transactions]) + "\n"
+    return "\n".join(head + steps) + "\n"
 
 
-def one_statement(statements):
-    """A step's statements as one (data-modifying `WITH` parts, then the
-    read), sent and committed as approvald sends a step: one round trip.
-    `SET LOCAL synchronous_commit = off` becomes `set_config` for the
+def one_statement(writes, read="SELECT 1", commit_async=False):
+    """A step as one statement (its writes as data-modifying `WITH` parts,
+    then `read`), sent and committed as approvald sends a step: one round
+    trip. `commit_async` sets `synchronous_commit` off for the
     statement's own transaction, as approvald's lease statements do."""
-    parts, read, commit_async = [], "SELECT 1", False
-    for s in statements:
-        s = s.rstrip(";")
-        if s.startswith("SET LOCAL synchronous_commit"):
-            commit_async = True
-        elif s.startswith("SELECT"):
-            read = s
-        else:
-            parts.append(f"w{len(parts)} AS ({s} RETURNING 1)")
+    parts = ", ".join(f"w{i} AS ({w} RETURNING 1)" for i, w in enumerate(writes))
     tail = f"SELECT ({read})" + (", set_config('synchronous_commit', 'off', true)" if commit_async else "")
-    return (f"WITH {', '.join(parts)} " if parts else "") + tail + ";"
+    return f"WITH {parts} {tail};"
 
 
 def psql(sql, url=DB_URL):
