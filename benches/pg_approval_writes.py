@@ -44,8 +44,20 @@ import subprocess
 import sys
 import tempfile
 
-SECONDS = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+
+
+def count_arg(i, name, default):
+    """The positive whole number at argv[i], or `default`; a usage error
+    naming `name` otherwise."""
+    if len(sys.argv) <= i:
+        return default
+    if not sys.argv[i].isdigit() or int(sys.argv[i]) == 0:
+        raise SystemExit(f"{name} must be a positive whole number, not {sys.argv[i]!r} (usage: see the top of this file)")
+    return int(sys.argv[i])
+
+
+SECONDS = count_arg(1, "SECONDS", 10)
+ROUNDS = count_arg(2, "ROUNDS", 2)
 URL = sys.argv[3] if len(sys.argv) > 3 else "postgres://postgres@127.0.0.1:5432/postgres"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DB = f"x_approval_writes_{os.getpid()}"
