@@ -50,6 +50,12 @@ pub struct Options {
     /// Seconds of half-speed ingest watching memory; 0 skips it.
     #[arg(long, default_value_t = 0.0)]
     pub memory_secs: f64,
+    /// Also the callback-to-delivery latency at these fractions of the
+    /// end-to-end speed, as divisors (`--slower 4,16`: a quarter and a
+    /// sixteenth), after the half-speed run: how the latency falls with
+    /// the load, down to the single approval after idle.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(3..=1000))]
+    pub slower: Vec<u32>,
     /// A short run of everything (a smoke test, not a measurement).
     #[arg(long)]
     pub quick: bool,
@@ -389,6 +395,7 @@ async fn measure(
     let half_rate = e2e.approvals_per_sec / 2.0;
     let n = (o.ops / 2).max(1);
     let decisions = load::open_operations(&daemon.base, TOKEN, &sandbox, n, &format!("{e2e_tag}h")).await?;
+    let split = CpuSplit::start(&daemon);
     let slow = load::answer_all(
         &sandbox,
         &effects,
@@ -406,6 +413,44 @@ async fn measure(
         if pg { "p50 ≤ 5, p99 ≤ 50 ms" } else { "-" },
         pg.then_some(p50 <= 5.0 && p99 <= 50.0),
     ));
+    rows.push(row(
+        "end to end CPU ms per approval at half speed (as above); machine busy",
+        split.finish(&daemon, slow.count as f64, slow.count as f64 / slow.approvals_per_sec),
+        None,
+        None,
+        "-",
+        None,
+    ));
+
+    for &d in &o.slower {
+        let rate = e2e.approvals_per_sec / f64::from(d);
+        let decisions =
+            load::open_operations(&daemon.base, TOKEN, &sandbox, n, &format!("{e2e_tag}s{d}")).await?;
+        let split = CpuSplit::start(&daemon);
+        let run = load::answer_all(
+            &sandbox,
+            &effects,
+            &decisions,
+            Some(rate),
+            &format!("{name}: end to end at 1/{d} speed"),
+        )
+        .await?;
+        rows.push(row(
+            &format!(
+                "callback-to-delivery p50 / p99 at 1/{d} speed ({rate:.0}/s); CPU ms per approval (as above), machine busy"
+            ),
+            format!(
+                "{:.1} / {:.1} ms; {}",
+                run.latency.ms(0.5),
+                run.latency.ms(0.99),
+                split.finish(&daemon, run.count as f64, run.count as f64 / run.approvals_per_sec)
+            ),
+            None,
+            None,
+            "-",
+            None,
+        ));
+    }
 
     // Idle: nothing to do.
     wait_quiet(&sandbox).await;
