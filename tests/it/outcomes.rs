@@ -47,6 +47,15 @@ async fn confirm_yes_consumes_once_delivers_the_permit_and_records_the_receipt()
         .collect();
     assert_eq!(states, ["enqueued", "pending", "answered", "permitted", "delivering", "succeeded"]);
     assert_eq!(op["result"]["executed"], true, "the effect's 2xx body is kept as the result");
+    // What the saves recorded beside the operation: one delivery attempt,
+    // and each Pushary call once (on PostgreSQL each kind of row is a
+    // statement the batch runs only when it carries one).
+    let attempts = app.store().deliveries(&id).await.expect("store");
+    assert_eq!(attempts.iter().map(|a| (a.attempt, a.status_code)).collect::<Vec<_>>(), [(1, Some(200))]);
+    let mut calls: Vec<String> =
+        app.store().pushary_calls(&id).await.expect("store").into_iter().map(|c| c.call).collect();
+    calls.sort();
+    assert_eq!(calls, ["consume", "create_decision", "record_receipt"]);
 }
 }
 
