@@ -526,13 +526,13 @@ async fn measure(
         let (empty, empty_pg, empty_cpu) =
             run(format!("{e2e_tag}e"), format!("{name}: end to end, empty store, before the fill")).await?;
         let (empty2, _, _) =
-            run(format!("{e2e_tag}f"), format!("{name}: end to end, empty store, before the fill (2)"))
+            run(format!("{e2e_tag}e2"), format!("{name}: end to end, empty store, before the fill (2)"))
                 .await?;
         load::fill(&db.url, o.growth_rows, &format!("{name}: filling")).await?;
         let (grown, grown_pg, grown_cpu) =
             run(format!("{e2e_tag}g"), format!("{name}: end to end, full store")).await?;
         let (grown2, _, _) =
-            run(format!("{e2e_tag}h"), format!("{name}: end to end, full store (2)")).await?;
+            run(format!("{e2e_tag}g2"), format!("{name}: end to end, full store (2)")).await?;
         let (b4, _) = baseline("4").await?;
         let (before, after) = (combined_rate(&[&empty, &empty2]), combined_rate(&[&grown, &grown2]));
         let rel = after / before;
