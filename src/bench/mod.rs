@@ -700,7 +700,6 @@ impl CpuSplit {
     }
 }
 
-/// The machine's cores, for its busy share.
 /// The rate of `runs` taken together: all their approvals over all their time.
 fn combined_rate(runs: &[&load::EndToEnd]) -> f64 {
     let count: f64 = runs.iter().map(|r| r.count as f64).sum();
@@ -708,6 +707,7 @@ fn combined_rate(runs: &[&load::EndToEnd]) -> f64 {
     count / secs
 }
 
+/// The machine's cores, for its busy share.
 fn cores() -> f64 {
     std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64)
 }
