@@ -20,6 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row, SqlStr};
 use super::inbox_writer::OwnedInboxEntry;
 use super::rows::{DeliveryRecord, InboxEntry, Operation, Transition};
 use super::sqlite_group::SqliteGroup;
+use super::work_signal::WorkSignal;
 use super::{InboxInsert, Inserted, NewInboxEntry, OperationFilter, StoreError};
 use crate::config::StoreConfig;
 
@@ -504,9 +505,6 @@ pub(super) fn is_missing_temp_function(e: &dyn sqlx::error::DatabaseError) -> bo
     matches!(e.code().as_deref(), Some("42883" | "3F000"))
 }
 
-/// The channel `signal_work` notifies.
-pub const WORK_CHANNEL: &str = "approvald_work";
-
 /// Our migrations table is named for us so no other library's collides.
 const MIGRATIONS_TABLE: &str = "approvald_migrations";
 
@@ -567,16 +565,6 @@ pub struct Store {
     /// PostgreSQL: the saves, run in batches (`save`).
     pub(super) pg_saves: Option<std::sync::Arc<super::save::PgSaveQueue>>,
     work_signal: std::sync::Arc<WorkSignal>,
-}
-
-/// Coalesces work signals into few NOTIFYs (see `Store::signal_work`).
-#[derive(Debug)]
-struct WorkSignal {
-    again: std::sync::atomic::AtomicBool,
-    running: std::sync::atomic::AtomicBool,
-    /// The NOTIFY payload: names this process, so its own listener can
-    /// pass over its own signals (see `Store::instance`).
-    instance: String,
 }
 
 /// A PostgreSQL connection idle this long is pinged before it is used.
@@ -651,11 +639,7 @@ impl Store {
             Backend::Sqlite(pool) => Some(SqliteGroup::new(pool.clone())),
             Backend::Postgres(_) => None,
         };
-        let work_signal = std::sync::Arc::new(WorkSignal {
-            again: false.into(),
-            running: false.into(),
-            instance: format!("{}-{:08x}", std::process::id(), rand::random::<u32>()),
-        });
+        let work_signal = WorkSignal::new();
         let sqlite_saves = sqlite_group.as_ref().map(super::save::SaveQueue::new);
         let pg_saves = match &backend {
             Backend::Postgres(pool) => Some(super::save::PgSaveQueue::new(pool.clone())),
@@ -691,45 +675,22 @@ impl Store {
         }
     }
 
-    /// Applies pending migrations. Safe to run again, and (PostgreSQL)
-    /// from several processes at once: sqlx takes an advisory lock.
     /// Tells workers on every replica that work was committed (PostgreSQL
-    /// LISTEN/NOTIFY). Sent after the commit, from its own statement, and
-    /// coalesced: a NOTIFY inside a transaction takes a database-wide lock
-    /// held through its commit, which would serialize every committing
-    /// writer behind one fsync at a time. Signals arriving while a NOTIFY is
-    /// in flight become one more NOTIFY, so none is lost.
+    /// LISTEN/NOTIFY; see `work_signal`). Nothing on SQLite.
     pub fn signal_work(&self) {
-        use std::sync::atomic::Ordering::SeqCst;
-        let Backend::Postgres(pool) = &self.backend else { return };
-        let signal = &self.work_signal;
-        signal.again.store(true, SeqCst);
-        if signal.running.swap(true, SeqCst) {
-            return;
+        if let Backend::Postgres(pool) = &self.backend {
+            self.work_signal.signal(pool);
         }
-        let (pool, signal) = (pool.clone(), std::sync::Arc::clone(signal));
-        tokio::spawn(async move {
-            loop {
-                while signal.again.swap(false, SeqCst) {
-                    let sent = sqlx::query("SELECT pg_notify($1, $2)")
-                        .bind(WORK_CHANNEL)
-                        .bind(&signal.instance)
-                        .execute(&pool)
-                        .await;
-                    if let Err(e) = sent {
-                        // Workers still find the work on their safety-net poll.
-                        tracing::warn!(error = %e, "cannot NOTIFY other replicas of new work");
-                    }
-                }
-                signal.running.store(false, SeqCst);
-                // A signal that came after the last swap and saw `running` set.
-                if !signal.again.load(SeqCst) || signal.running.swap(true, SeqCst) {
-                    return;
-                }
-            }
-        });
     }
 
+    /// This process runs workers, which take the work it commits itself:
+    /// its NOTIFYs can wait a little and carry several signals.
+    pub fn workers_here(&self) {
+        self.work_signal.workers_here();
+    }
+
+    /// Applies pending migrations. Safe to run again, and (PostgreSQL)
+    /// from several processes at once: sqlx takes an advisory lock.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let result = match &self.backend {
             Backend::Sqlite(pool) => migrator(SQLITE_MIGRATIONS).run(pool).await,

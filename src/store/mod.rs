@@ -13,12 +13,14 @@ mod insights;
 mod rows;
 mod save;
 mod sqlite_group;
+mod work_signal;
 
-pub use db::{BatchInsert, Store, ThreadWork, WORK_CHANNEL};
+pub use db::{BatchInsert, Store, ThreadWork};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use insights::{Activity, OperatorFilter};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, PusharyCall, Transition};
 pub use sqlite_group::WriterBusy;
+pub use work_signal::WORK_CHANNEL;
 
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum StoreError {

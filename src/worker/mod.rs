@@ -388,6 +388,7 @@ impl Engine {
 
     /// Runs `concurrency` workers and the reconciler until `shutdown`.
     pub fn spawn(self: &Arc<Self>, shutdown: CancellationToken) -> Vec<tokio::task::JoinHandle<()>> {
+        self.store.workers_here();
         let mut handles = Vec::new();
         for i in 0..self.settings.concurrency {
             let engine = Arc::clone(self);
