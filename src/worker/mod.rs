@@ -433,10 +433,13 @@ impl Engine {
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
-                    n = listener.recv() => match n {
+                    n = listener.try_recv() => match n {
                         // Our own: whoever signalled woke our workers already.
-                        Ok(n) if n.payload() == self.store.instance() => {}
-                        Ok(_) => self.wake(),
+                        Ok(Some(n)) if n.payload() == self.store.instance() => {}
+                        Ok(Some(_)) => self.wake(),
+                        // The connection was lost and is made again on the
+                        // next call; what was sent meanwhile is not heard.
+                        Ok(None) => self.wake(),
                         Err(e) => {
                             tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
                             break;
