@@ -1799,6 +1799,20 @@ pub(super) mod test_support {
     use super::{Backend, SqlitePool, Store};
     use crate::config::StoreConfig;
 
+    /// `APPROVALD_TEST_PG_URL`, the server PostgreSQL tests run on; None,
+    /// said loudly for `test`, when it is not set.
+    pub(crate) fn pg_test_url(test: &str) -> Option<String> {
+        let url = std::env::var("APPROVALD_TEST_PG_URL").ok().filter(|u| !u.is_empty());
+        if url.is_none() {
+            use std::io::Write as _;
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test} on PostgreSQL: APPROVALD_TEST_PG_URL is not set (.ci/run sets it)"
+            );
+        }
+        url
+    }
+
     /// A migrated SQLite store in a temporary directory, and its pool.
     pub(crate) async fn sqlite_store() -> (tempfile::TempDir, Store, SqlitePool) {
         let dir = tempfile::tempdir().expect("a temporary directory");

@@ -436,10 +436,10 @@ impl Engine {
                     n = listener.try_recv() => match n {
                         // Our own: whoever signalled woke our workers already.
                         Ok(Some(n)) if n.payload() == self.store.instance() => {}
-                        Ok(Some(_)) => self.wake(),
-                        // The connection was lost and is made again on the
-                        // next call; what was sent meanwhile is not heard.
-                        Ok(None) => self.wake(),
+                        // Another's signal; or (None) the connection was
+                        // lost and is made again on the next call, and what
+                        // was sent meanwhile is not heard: look anyway.
+                        Ok(_) => self.wake(),
                         Err(e) => {
                             tracing::warn!(error = %e, "LISTEN connection lost; reconnecting");
                             break;

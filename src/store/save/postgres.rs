@@ -503,14 +503,7 @@ mod tests {
     /// dropped by `drop_db`; None (said loudly) without the variable.
     async fn pg(test: &str) -> Option<(String, String, Store, PgPool)> {
         use sqlx::Connection as _;
-        let Some(admin) = std::env::var("APPROVALD_TEST_PG_URL").ok().filter(|u| !u.is_empty()) else {
-            use std::io::Write as _;
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test} on PostgreSQL: APPROVALD_TEST_PG_URL is not set (.ci/run sets it)"
-            );
-            return None;
-        };
+        let admin = crate::store::db::test_support::pg_test_url(test)?;
         let name = format!("approvald_unit_{:016x}", rand::random::<u64>());
         let mut c = sqlx::PgConnection::connect(&admin).await.expect("connects to the server");
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
