@@ -1715,10 +1715,24 @@ impl Store {
         })
     }
 
-    /// When the earliest scheduled step is due, so idle workers sleep until then.
+    /// When the earliest scheduled step is due, whether or not its time has come.
     pub async fn next_due_at(&self) -> Result<Option<i64>, StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
             Ok(sqlx::query_scalar("SELECT MIN(due_at) FROM operations WHERE due_at IS NOT NULL")
+                .fetch_one(pool)
+                .await?)
+        })
+    }
+
+    /// When the earliest step scheduled after `now` is due, so the idle
+    /// tick keeper sleeps until then. Steps due already are being worked
+    /// (their holder goes on with them) or wait for a worker already told
+    /// of them; counting them made the keeper wake every millisecond while
+    /// any approval was in flight, and read the store each time.
+    pub async fn next_due_after(&self, now: i64) -> Result<Option<i64>, StoreError> {
+        with_pool!(self, pool, BEGIN, PG => {
+            Ok(sqlx::query_scalar("SELECT MIN(due_at) FROM operations WHERE due_at > $1")
+                .bind(now)
                 .fetch_one(pool)
                 .await?)
         })
@@ -1795,9 +1809,49 @@ impl Store {
 }
 
 #[cfg(test)]
-pub(super) mod test_support {
+pub(crate) mod test_support {
     use super::{Backend, SqlitePool, Store};
     use crate::config::StoreConfig;
+
+    /// A fresh, migrated database on `APPROVALD_TEST_PG_URL`'s server,
+    /// dropped by `drop`; None (said loudly for `test`) without the variable.
+    pub(crate) struct ScratchPg {
+        pub(crate) store: Store,
+        admin: String,
+        name: String,
+    }
+
+    impl ScratchPg {
+        pub(crate) async fn create(test: &str) -> Option<Self> {
+            use sqlx::Connection as _;
+            let admin = pg_test_url(test)?;
+            let name = format!("approvald_unit_{:016x}", rand::random::<u64>());
+            let mut c = sqlx::PgConnection::connect(&admin).await.expect("connects to the server");
+            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                .execute(&mut c)
+                .await
+                .expect("creates");
+            let url = match admin.rsplit_once('/') {
+                Some((server, _)) => format!("{server}/{name}"),
+                None => unreachable!("a PostgreSQL URL names a database"),
+            };
+            let store = Store::connect(&StoreConfig::with_defaults(url, 4)).await.expect("opens");
+            store.migrate().await.expect("migrates");
+            Some(Self { store, admin, name })
+        }
+
+        pub(crate) async fn drop(self) {
+            use sqlx::Connection as _;
+            if let Some(pool) = self.store.pg_pool() {
+                pool.close().await;
+            }
+            let mut c = sqlx::PgConnection::connect(&self.admin).await.expect("connects to the server");
+            sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)))
+                .execute(&mut c)
+                .await
+                .expect("drops");
+        }
+    }
 
     /// `APPROVALD_TEST_PG_URL`, the server PostgreSQL tests run on; None,
     /// said loudly for `test`, when it is not set.

@@ -15,6 +15,8 @@ mod save;
 mod sqlite_group;
 mod work_signal;
 
+#[cfg(test)]
+pub(crate) use db::test_support;
 pub use db::{BatchInsert, Store, ThreadWork};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use insights::{Activity, OperatorFilter};

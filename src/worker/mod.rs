@@ -2,15 +2,16 @@
 //! process its inbox entries in arrival order and drive its operations one
 //! step at a time; and the reconciler's sweeps.
 
+mod claims;
 mod delivery;
 mod operator;
 mod reconciler;
 mod steps;
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
@@ -20,6 +21,8 @@ use tokio_util::sync::CancellationToken;
 pub use delivery::{EffectTarget, outcome_body};
 pub use operator::{CancelError, ResolveError, resolve};
 pub use reconciler::Sweep;
+
+use claims::{Claim, Claims, Missed, ThreadKey};
 
 use crate::clock::now_ms;
 use crate::config::Config;
@@ -97,42 +100,27 @@ pub struct Engine {
     /// `tick_at`, the time it means to wake next (ms; MAX while it works).
     tick: Notify,
     tick_at: AtomicI64,
+    /// Times of steps this process scheduled for later, until a read of
+    /// the store for work at or after them: the tick keeper wakes for each
+    /// (`next_nap`).
+    schedule: std::sync::Mutex<BTreeSet<i64>>,
     owner: String,
     next_owner: AtomicU64,
     /// Decisions archived by the last sweep, whose racing replays the next
     /// sweep removes (see `reconciler::archive_finished`).
     pub(crate) archived_last_sweep: std::sync::Mutex<Vec<(String, String)>>,
-    /// Threads a worker of this process is on. The store's lease decides;
-    /// this only spares the store the attempts that would lose to a sibling.
-    working: std::sync::Mutex<HashSet<(String, String)>>,
-    /// Threads with work, read from the store, not yet handed to a worker.
-    candidates: tokio::sync::Mutex<VecDeque<(String, String)>>,
+    /// Threads a worker of this process is on.
+    claims: Claims,
+    /// Threads with work, read from the store or named by whoever gave
+    /// them work, not yet handed to a worker.
+    candidates: std::sync::Mutex<VecDeque<ThreadKey>>,
+    /// The store may hold work that no candidate names: a worker that
+    /// runs out of candidates reads the store only then (decisions §33).
+    unread: AtomicBool,
+    /// Workers run in this process (`spawn`); without them, naming a
+    /// thread to them would only fill a queue no one takes from.
+    workers_here: AtomicBool,
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
-}
-
-/// A worker's hold on a thread within this process, let go on drop.
-struct LocalClaim<'a> {
-    set: &'a std::sync::Mutex<HashSet<(String, String)>>,
-    key: (String, String),
-}
-
-impl<'a> LocalClaim<'a> {
-    fn take(
-        set: &'a std::sync::Mutex<HashSet<(String, String)>>,
-        tenant: &str,
-        thread: &str,
-    ) -> Option<Self> {
-        let key = (tenant.to_owned(), thread.to_owned());
-        let fresh = set.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(key.clone());
-        // Lazily: a claim built and dropped here would free the holder's key.
-        fresh.then(|| Self { set, key })
-    }
-}
-
-impl Drop for LocalClaim<'_> {
-    fn drop(&mut self) {
-        self.set.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&self.key);
-    }
 }
 
 impl Engine {
@@ -155,11 +143,15 @@ impl Engine {
             wake,
             tick: Notify::new(),
             tick_at: AtomicI64::new(i64::MAX),
+            schedule: std::sync::Mutex::default(),
             owner,
             next_owner: AtomicU64::new(0),
             archived_last_sweep: std::sync::Mutex::default(),
-            working: std::sync::Mutex::default(),
-            candidates: tokio::sync::Mutex::default(),
+            claims: Claims::default(),
+            candidates: std::sync::Mutex::default(),
+            // Whatever was left in the store before this process started.
+            unread: AtomicBool::new(true),
+            workers_here: AtomicBool::new(false),
             metrics: Arc::default(),
         }
     }
@@ -194,37 +186,71 @@ impl Engine {
         &self.store
     }
 
-    /// Wakes idle workers: new inbox entries, new operations, new due work.
-    /// Wakes one idle worker (or the next to look, if none is idle). A
-    /// worker that finds more work than it takes wakes the next, so a burst
-    /// wakes as many workers as it needs, and one callback wakes one.
+    /// Wakes idle workers to read the store for work: work came that no
+    /// one named a thread for (a sweep's, another replica's signal). Wakes
+    /// one idle worker (or the next to look, if none is idle). A worker
+    /// that finds more work than it takes wakes the next, so a burst wakes
+    /// as many workers as it needs, and one callback wakes one.
     pub fn wake(&self) {
+        self.unread.store(true, Ordering::SeqCst);
         self.wake.notify_one();
     }
 
-    /// Threads that were just given work (answers stored for them), put
-    /// before the workers with a wake-up, so the one woken takes its thread
-    /// without reading the store for work first (a round trip on every
-    /// callback's way to its effect). A hint only: if a worker is reading
-    /// the store for work just then, the woken worker reads it again.
-    pub fn offer(&self, threads: &[(String, String)]) {
-        if let Ok(mut queue) = self.candidates.try_lock() {
-            for t in threads {
-                if !queue.contains(t) {
-                    queue.push_back(t.clone());
-                }
+    /// Threads that were just given work (answers stored for them, an
+    /// operation enqueued), put before the workers with a wake-up, so the
+    /// one woken takes its thread without reading the store for work first
+    /// (a round trip on every callback's way to its effect). A process
+    /// without workers names threads to no one: the store's signal reaches
+    /// the workers elsewhere.
+    pub fn offer(&self, threads: &[ThreadKey]) {
+        if !self.workers_here.load(Ordering::SeqCst) {
+            return;
+        }
+        let mut queue = self.queue();
+        for t in threads {
+            if !queue.contains(t) {
+                queue.push_back(t.clone());
             }
         }
-        self.wake();
+        drop(queue);
+        self.wake.notify_one();
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<ThreadKey>> {
+        self.candidates.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A step of an operation on a held thread comes due at `at`. Due now,
     /// the holder does it; later, the tick keeper must wake for it, and it
     /// only knows the schedule it read before its nap.
     pub(crate) fn scheduled(&self, at: i64) {
-        if at > now_ms() && at < self.tick_at.load(Ordering::SeqCst) {
-            self.tick.notify_one();
+        if at > now_ms() {
+            self.schedule_lock().insert(at);
+            if at < self.tick_at.load(Ordering::SeqCst) {
+                self.tick.notify_one();
+            }
         }
+    }
+
+    fn schedule_lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<i64>> {
+        self.schedule.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// How long the tick keeper may sleep: until the next step scheduled
+    /// here that no read of the store has come after, the next one the
+    /// store holds for later (scheduled by any replica), or the safety-net
+    /// tick, whichever is first. Steps due already are not counted from
+    /// the store: they are being worked, their holder going on with them,
+    /// or wait for a worker told of them; counting them woke the keeper
+    /// every millisecond while any approval was in flight, to read the
+    /// store each time (decisions §33).
+    async fn next_nap(&self) -> Duration {
+        let now = now_ms();
+        let local = self.schedule_lock().first().copied();
+        let stored = self.store.next_due_after(now).await.ok().flatten();
+        let next = local.into_iter().chain(stored).min();
+        let nap = self.settings.idle_poll;
+        next.map_or(nap, |at| nap.min(Duration::from_millis(u64::try_from(at - now).unwrap_or(0).max(1))))
     }
 
     /// The delay before retry number `attempt` (1-based), exponential with
@@ -245,14 +271,24 @@ impl Engine {
 
     /// Takes one thread that has work, does all of it that is due, and
     /// releases it. Returns whether any thread was worked. Tests call this
-    /// to drain the queue without sleeping.
+    /// to drain the queue without sleeping: it reads the store for work
+    /// whenever no candidate is left, where a worker reads it only when
+    /// something may have put work there that no candidate names.
     pub async fn try_execute_task(&self) -> Result<bool, StoreError> {
+        self.visit_next(true).await
+    }
+
+    /// `try_execute_task`; `read_store`: read the store for work when the
+    /// candidates run out even if nothing says it holds any.
+    async fn visit_next(&self, read_store: bool) -> Result<bool, StoreError> {
         let turn = self.next_owner.fetch_add(1, Ordering::Relaxed);
         let owner = format!("{}/{turn}", self.owner);
         let mut refilled = false;
         loop {
-            let Some((claim, more)) = self.next_candidate(&mut refilled).await? else { return Ok(false) };
-            let (tenant, thread) = (&claim.key.0, &claim.key.1);
+            let Some((claim, more)) = self.next_candidate(&mut refilled, read_store).await? else {
+                return Ok(false);
+            };
+            let (tenant, thread) = claim.key().clone();
             // SQLite serves one process (docs/decisions.md §13): the claim
             // is the whole lease, and two writes per visit are saved.
             let shared = self.store.is_postgres();
@@ -260,16 +296,22 @@ impl Engine {
             // On PostgreSQL the lease and the first read of the thread's
             // work are one round trip.
             let first = if shared {
-                match self.store.take_thread(tenant, thread, &owner, now, now + self.settings.lease_ms).await
+                match self
+                    .store
+                    .take_thread(&tenant, &thread, &owner, now, now + self.settings.lease_ms)
+                    .await
                 {
                     Ok(Some(work)) => Some(work),
+                    // Leased elsewhere: its holder's process hears of new
+                    // work from the store's signal.
                     Ok(None) => continue,
                     Err(e) => {
                         // The lease may have been taken before the read
                         // failed: let it go rather than leave the thread
                         // to wait out the lease. The owner names this
                         // visit alone, so this deletes nothing else.
-                        let _ = self.store.release_lease(tenant, thread, &owner).await;
+                        let _ = self.store.release_lease(&tenant, &thread, &owner).await;
+                        self.let_go(claim, true);
                         return Err(e);
                     }
                 }
@@ -277,22 +319,34 @@ impl Engine {
                 None
             };
             if more {
-                self.wake();
+                self.wake.notify_one();
             }
-            let result = DUE_NEXT
-                .scope(RefCell::new(None), self.work_thread(tenant, thread, &owner, shared, first))
-                .await;
+            let result =
+                DUE_NEXT.scope(RefCell::new(None), self.work_thread(&claim, &owner, shared, first)).await;
             // Release even after an error, so the thread does not wait out
             // the lease, unless the visit's last read gave it up.
             let given_up = result.as_ref().is_ok_and(|given_up| *given_up);
             let released = if shared && !given_up {
-                self.store.release_lease(tenant, thread, &owner).await
+                self.store.release_lease(&tenant, &thread, &owner).await
             } else {
                 Ok(())
             };
+            self.let_go(claim, result.is_err() || released.is_err());
             result?;
             released?;
             return Ok(true);
+        }
+    }
+
+    /// Lets a visited thread go, and answers what came for it that the
+    /// visit's last read may have missed. `failed`: the visit ended in an
+    /// error, so its thread may still have work.
+    fn let_go(&self, claim: Claim<'_>, failed: bool) {
+        match claim.release() {
+            (key, Missed::Offered) => self.offer(&[key]),
+            (_, Missed::HiddenFromRead) => self.wake(),
+            (_, Missed::Nothing) if failed => self.unread.store(true, Ordering::SeqCst),
+            (_, Missed::Nothing) => {}
         }
     }
 
@@ -302,30 +356,58 @@ impl Engine {
     /// worker visit cost more SQLite time than the work itself (0.7 ms
     /// each, 17,000 of them for 2,000 approvals in `approvald bench`). A
     /// candidate may be stale (its work done since); visiting it costs one
-    /// index read. The store is read again only when the queue runs dry,
-    /// at most once per call (`refilled`), so a call always ends.
+    /// index read. The store is read when the queue runs dry, at most once
+    /// per call (`refilled`), so a call always ends; and only if something
+    /// may have put work there that no candidate names (`unread`, which
+    /// one reader takes), unless `read_store`: after a visit, a read that
+    /// found nothing cost an approval about 0.1 ms of PostgreSQL's time and
+    /// a round trip (decisions §33).
     async fn next_candidate(
         &self,
         refilled: &mut bool,
-    ) -> Result<Option<(LocalClaim<'_>, bool)>, StoreError> {
-        let mut queue = self.candidates.lock().await;
+        read_store: bool,
+    ) -> Result<Option<(Claim<'_>, bool)>, StoreError> {
         loop {
-            while let Some((tenant, thread)) = queue.pop_front() {
-                // Another worker of this process has the thread: skip it
-                // without asking the store.
-                if let Some(claim) = LocalClaim::take(&self.working, &tenant, &thread) {
-                    return Ok(Some((claim, !queue.is_empty())));
+            {
+                let mut queue = self.queue();
+                while let Some(key) = queue.pop_front() {
+                    // Another worker of this process has the thread: skip
+                    // it without asking the store (its holder names it again).
+                    if let Some(claim) = self.claims.take(key) {
+                        return Ok(Some((claim, !queue.is_empty())));
+                    }
                 }
             }
-            if *refilled {
+            if *refilled || !(read_store || self.unread.swap(false, Ordering::SeqCst)) {
                 return Ok(None);
             }
             *refilled = true;
+            if self.store.is_postgres() {
+                self.claims.hidden_from_read();
+            }
+            let now = now_ms();
+            // This read takes every step due by now, unless its thread is
+            // held (whose holder goes on with it).
+            {
+                let mut schedule = self.schedule_lock();
+                let later = schedule.split_off(&(now + 1));
+                *schedule = later;
+            }
             // Threads our own workers are on still show as having work
             // until they commit; look past them.
-            let busy = self.working.lock().unwrap_or_else(std::sync::PoisonError::into_inner).len();
-            let limit = 16 + i64::try_from(busy).unwrap_or(0);
-            queue.extend(self.store.threads_with_work(now_ms(), limit).await?);
+            let limit = 16 + self.claims.busy();
+            let found = match self.store.threads_with_work(now, i64::try_from(limit).unwrap_or(16)).await {
+                Ok(found) => found,
+                Err(e) => {
+                    self.unread.store(true, Ordering::SeqCst);
+                    return Err(e);
+                }
+            };
+            if found.len() >= limit {
+                // There may be more than the read took.
+                self.unread.store(true, Ordering::SeqCst);
+            }
+            self.queue().extend(found);
         }
     }
 
@@ -335,12 +417,12 @@ impl Engine {
     /// (`Store::take_thread`).
     async fn work_thread(
         &self,
-        tenant: &str,
-        thread: &str,
+        claim: &Claim<'_>,
         owner: &str,
         leased: bool,
         mut read: Option<Option<ThreadWork>>,
     ) -> Result<bool, StoreError> {
+        let (tenant, thread) = (claim.key().0.as_str(), claim.key().1.as_str());
         // The lease was just taken; renewing it is a write, so it is done
         // only once a third of it has passed, not before every step (each
         // step's calls are bounded by timeouts shorter than the lease).
@@ -368,8 +450,14 @@ impl Engine {
             let (work, given_up) = match (read.take(), saved) {
                 (Some(work), _) => (work, false),
                 (None, Some(op)) => (Some(ThreadWork::Due(op)), false),
-                (None, None) if leased => self.store.next_work_or_release(tenant, thread, now, owner).await?,
-                (None, None) => (self.store.next_work_for_thread(tenant, thread, now).await?, false),
+                (None, None) if leased => {
+                    claim.reading();
+                    self.store.next_work_or_release(tenant, thread, now, owner).await?
+                }
+                (None, None) => {
+                    claim.reading();
+                    (self.store.next_work_for_thread(tenant, thread, now).await?, false)
+                }
             };
             match work {
                 Some(ThreadWork::Answer(entry, op, held_back)) => {
@@ -389,6 +477,7 @@ impl Engine {
     /// Runs `concurrency` workers and the reconciler until `shutdown`.
     pub fn spawn(self: &Arc<Self>, shutdown: CancellationToken) -> Vec<tokio::task::JoinHandle<()>> {
         self.store.workers_here();
+        self.workers_here.store(true, Ordering::SeqCst);
         let mut handles = Vec::new();
         for i in 0..self.settings.concurrency {
             let engine = Arc::clone(self);
@@ -458,7 +547,7 @@ impl Engine {
             let notified = self.wake.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            match self.try_execute_task().await {
+            match self.visit_next(false).await {
                 Ok(true) => {
                     failures = 0;
                     continue;
@@ -472,6 +561,8 @@ impl Engine {
                         () = shutdown.cancelled() => break,
                         () = tokio::time::sleep(Duration::from_millis(u64::try_from(delay).unwrap_or(1000))) => {}
                     }
+                    // What failed may have left work behind.
+                    self.unread.store(true, Ordering::SeqCst);
                     continue;
                 }
             }
@@ -490,19 +581,17 @@ impl Engine {
                 // Registered before the schedule is read: a step scheduled
                 // after the read wakes us (`scheduled`).
                 tick.as_mut().enable();
-                nap = self.settings.idle_poll;
-                if let Ok(Some(at)) = self.store.next_due_at().await {
-                    let until = u64::try_from((at - now_ms()).max(1)).unwrap_or(1);
-                    nap = nap.min(Duration::from_millis(until));
-                }
+                nap = self.next_nap().await;
                 let wake_at = now_ms().saturating_add(i64::try_from(nap.as_millis()).unwrap_or(i64::MAX));
                 self.tick_at.store(wake_at, Ordering::SeqCst);
             }
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 () = &mut notified => {}
-                () = &mut tick, if index == 0 => {}
-                () = tokio::time::sleep(nap) => {}
+                // The safety net, and the tick keeper's schedule: both are
+                // for work that no one names.
+                () = &mut tick, if index == 0 => self.unread.store(true, Ordering::SeqCst),
+                () = tokio::time::sleep(nap) => self.unread.store(true, Ordering::SeqCst),
             }
             if index == 0 {
                 self.tick_at.store(i64::MAX, Ordering::SeqCst);
@@ -510,3 +599,6 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

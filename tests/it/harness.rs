@@ -125,6 +125,9 @@ pub struct Options {
     pub orphan_after_secs: Option<u64>,
     /// Archive finished operations this long after their last change.
     pub archive_after_ms: Option<i64>,
+    /// The workers' safety-net poll (200 ms unless set): set long, work is
+    /// found only by the wake-ups that name it.
+    pub idle_poll: Option<Duration>,
 }
 
 pub struct TestApp {
@@ -224,8 +227,9 @@ impl TestApp {
         let config = Config::from_toml(&toml).expect("test config is valid");
         let manual = opts.manual;
         let archive_after_ms = opts.archive_after_ms;
+        let idle_poll = opts.idle_poll.unwrap_or(Duration::from_millis(200));
         let app = Application::build_with(config, listener, |s: &mut EngineSettings| {
-            s.idle_poll = Duration::from_millis(200);
+            s.idle_poll = idle_poll;
             // The reconciler is driven by tests through reconcile_once.
             s.reconcile_every = Duration::from_secs(3600);
             if manual {

@@ -49,4 +49,5 @@ mod sdk;
 mod soak;
 mod tenants;
 mod vectors;
+mod wakeups;
 mod workers;

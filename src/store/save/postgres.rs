@@ -494,29 +494,16 @@ fn batch_json(rows: &[&[SaveValue]]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::StoreConfig;
     use crate::store::Store;
     use crate::store::save::test_rows::{self, assert_isolated, five, row};
+    use crate::store::test_support::ScratchPg;
 
-    /// A fresh, migrated database on `APPROVALD_TEST_PG_URL`'s server with
-    /// pending operations `a`–`d` and `x` (which holds decision `dec-1`),
-    /// dropped by `drop_db`; None (said loudly) without the variable.
-    async fn pg(test: &str) -> Option<(String, String, Store, PgPool)> {
-        use sqlx::Connection as _;
-        let admin = crate::store::db::test_support::pg_test_url(test)?;
-        let name = format!("approvald_unit_{:016x}", rand::random::<u64>());
-        let mut c = sqlx::PgConnection::connect(&admin).await.expect("connects to the server");
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&mut c)
-            .await
-            .expect("creates");
-        let url = match admin.rsplit_once('/') {
-            Some((server, _)) => format!("{server}/{name}"),
-            None => unreachable!("a PostgreSQL URL names a database"),
-        };
-        let config = StoreConfig::with_defaults(url.clone(), 4);
-        let store = Store::connect(&config).await.expect("opens");
-        store.migrate().await.expect("migrates");
+    /// A fresh, migrated database with pending operations `a`–`d` and `x`
+    /// (which holds decision `dec-1`); None (said loudly) without
+    /// `APPROVALD_TEST_PG_URL`.
+    async fn pg(test: &str) -> Option<(ScratchPg, Store, PgPool)> {
+        let db = ScratchPg::create(test).await?;
+        let store = db.store.clone();
         let pool = store.pg_pool().expect("a PostgreSQL store").clone();
         for (id, decision) in [("x", Some("dec-1")), ("a", None), ("b", None), ("c", None), ("d", None)] {
             sqlx::query(
@@ -531,17 +518,7 @@ mod tests {
             .await
             .expect("inserts");
         }
-        Some((admin, name, store, pool))
-    }
-
-    async fn drop_db(admin: &str, name: &str, pool: PgPool) {
-        use sqlx::Connection as _;
-        pool.close().await;
-        let mut c = sqlx::PgConnection::connect(admin).await.expect("connects to the server");
-        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")))
-            .execute(&mut c)
-            .await
-            .expect("drops");
+        Some((db, store, pool))
     }
 
     async fn calls(pool: &PgPool) -> Vec<(String, i64)> {
@@ -558,8 +535,7 @@ mod tests {
     // stale one is told so and keeps its call record; the rest commit.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_of_saves_isolates_the_one_that_fails() {
-        let Some((admin, name, _store, pool)) = pg("a_batch_of_saves_isolates_the_one_that_fails").await
-        else {
+        let Some((db, _store, pool)) = pg("a_batch_of_saves_isolates_the_one_that_fails").await else {
             return;
         };
         let rows = five();
@@ -572,14 +548,14 @@ mod tests {
                 .await
                 .expect("reads");
         assert_isolated(&outcomes, "operations_decision", &ops, &calls(&pool).await);
-        drop_db(&admin, &name, pool).await;
+        db.drop().await;
     }
 
     // Within one statement, a save from a version an earlier row moved is
     // dropped alone (its call still recorded); the rows after it run.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stale_save_in_a_batch_is_dropped_alone() {
-        let Some((admin, name, _store, pool)) = pg("a_stale_save_in_a_batch_is_dropped_alone").await else {
+        let Some((db, _store, pool)) = pg("a_stale_save_in_a_batch_is_dropped_alone").await else {
             return;
         };
         let rows = [row("a", 0, None), row("a", 0, None), row("c", 0, None)];
@@ -587,7 +563,7 @@ mod tests {
         let saved = execute(&pool, &refs).await.expect("runs");
         assert_eq!(saved, vec![true, false, true]);
         assert_eq!(calls(&pool).await, vec![("a".into(), 2), ("c".into(), 1)]);
-        drop_db(&admin, &name, pool).await;
+        db.drop().await;
     }
 
     // The rows a batch carries go in by one statement per table: the
@@ -595,7 +571,7 @@ mod tests {
     // each save's own; the delivery attempts of every save, taken or not.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_records_the_transitions_of_the_saves_that_took_in_order() {
-        let Some((admin, name, _store, pool)) = pg("a_batch_records_the_transitions_in_order").await else {
+        let Some((db, _store, pool)) = pg("a_batch_records_the_transitions_in_order").await else {
             return;
         };
         let carrying = |id: &str, version: i64, steps: &[&str]| {
@@ -635,7 +611,7 @@ mod tests {
         let deliveries: i64 =
             sqlx::query_scalar("SELECT count(*) FROM deliveries").fetch_one(&pool).await.expect("reads");
         assert_eq!(deliveries, 4, "every save's delivery attempt is recorded, the stale one's too");
-        drop_db(&admin, &name, pool).await;
+        db.drop().await;
     }
 
     // The second look for the operations of stored callbacks
@@ -645,7 +621,7 @@ mod tests {
     // the text named the state beside the ids.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_second_look_reads_its_rows_by_key_not_every_waiting_callback() {
-        let Some((admin, name, _store, pool)) = pg("the_second_look_reads_its_rows_by_key").await else {
+        let Some((db, _store, pool)) = pg("the_second_look_reads_its_rows_by_key").await else {
             return;
         };
         sqlx::query(
@@ -670,15 +646,14 @@ mod tests {
         for every in ["inbox_new_received", "Seq Scan on inbox"] {
             assert!(!plan.contains(every), "the plan reads every waiting callback: {plan}");
         }
-        drop_db(&admin, &name, pool).await;
+        db.drop().await;
     }
 
     // Through the queue: saves from many tasks at once all land, each once,
     // in batches of more than one save.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn queued_saves_from_many_callers_each_take_once() {
-        let Some((admin, name, store, pool)) = pg("queued_saves_from_many_callers_each_take_once").await
-        else {
+        let Some((db, store, pool)) = pg("queued_saves_from_many_callers_each_take_once").await else {
             return;
         };
         let queue = store.pg_saves.clone().expect("a PostgreSQL store has a save queue");
@@ -702,7 +677,7 @@ mod tests {
         .await
         .expect("reads");
         assert!(statements < 32, "the saves were batched: {statements} transactions for 32 saves");
-        drop_db(&admin, &name, pool).await;
+        db.drop().await;
     }
 
     #[test]

@@ -1,0 +1,181 @@
+//! How workers find work (decisions §33), on a real store: a thread named
+//! while held is named again, the store is read only when told, a read
+//! that held threads were hidden from is made again, and the tick keeper
+//! sleeps until the next scheduled step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::{Engine, EngineSettings, Missed};
+use crate::clock::now_ms;
+use crate::store::Store;
+use crate::store::test_support::{ScratchPg, insert_operation, sqlite_store};
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+fn engine(store: Store) -> Engine {
+    let settings = EngineSettings {
+        lease_ms: 30_000,
+        retry_initial_ms: 20,
+        retry_max_ms: 1_000,
+        rejection_window_ms: 60_000,
+        poll_after_ms: 3_600_000,
+        orphan_after_ms: 3_600_000,
+        archive_after_ms: None,
+        reconcile_every: HOUR,
+        concurrency: 0,
+        idle_poll: HOUR,
+    };
+    let engine = Engine::new(store, HashMap::new(), settings, Arc::new(Notify::new()));
+    engine.workers_here.store(true, Ordering::SeqCst);
+    engine
+}
+
+/// Finished operations on `threads` whose `due_at` has come: a visit
+/// only clears it.
+async fn due_finished(pool: &sqlx::SqlitePool, threads: impl IntoIterator<Item = String>) {
+    let body = serde_json::json!({"operationKey": "k", "threadId": "x", "interruptId": "i", "effect": "orders",
+        "externalId": "u", "question": "Proceed?", "toolName": "ship", "parameters": {}});
+    let limits = crate::domain::operation::Limits { max_expires_in_secs: 3600 };
+    let spec = crate::domain::operation::parse(&body, limits, 0).expect("a valid body");
+    for thread in threads {
+        insert_operation(pool, &format!("op-{thread}"), &thread, None).await;
+    }
+    sqlx::query("UPDATE operations SET state = 'succeeded', due_at = 1, spec = $1")
+        .bind(serde_json::to_string(&spec).expect("serializes"))
+        .execute(pool)
+        .await
+        .expect("due");
+}
+
+fn key(thread: &str) -> (String, String) {
+    ("t".to_owned(), thread.to_owned())
+}
+
+/// Whether a wake-up is waiting for the workers (taking it).
+async fn woken(engine: &Engine) -> bool {
+    // `timeout` polls the future before its deadline.
+    tokio::time::timeout(Duration::ZERO, engine.wake.notified()).await.is_ok()
+}
+
+fn queued(engine: &Engine) -> Vec<(String, String)> {
+    engine.queue().iter().cloned().collect()
+}
+
+#[tokio::test]
+async fn a_thread_named_while_held_is_named_again_when_let_go() {
+    let (_dir, store, _pool) = sqlite_store().await;
+    let engine = engine(store);
+    engine.unread.store(false, Ordering::SeqCst);
+    let claim = engine.claims.take(key("held")).expect("free");
+    engine.offer(&[key("held")]);
+    assert!(woken(&engine).await, "an offer wakes a worker");
+    assert!(!engine.visit_next(false).await.expect("store"), "the thread is held: nothing visited");
+    assert!(queued(&engine).is_empty(), "the worker took the name and found it held");
+    engine.let_go(claim, false);
+    assert_eq!(queued(&engine), [key("held")], "named again");
+    assert!(woken(&engine).await, "and a worker woken for it");
+}
+
+#[tokio::test]
+async fn a_worker_reads_the_store_for_work_only_when_told() {
+    let (_dir, store, pool) = sqlite_store().await;
+    due_finished(&pool, ["quiet".to_owned()]).await;
+    let engine = engine(store);
+    engine.unread.store(false, Ordering::SeqCst);
+    assert!(!engine.visit_next(false).await.expect("store"), "not told: the store is not read");
+    engine.wake();
+    assert!(engine.visit_next(false).await.expect("store"), "told: the store is read, the thread visited");
+    assert!(!engine.unread.load(Ordering::SeqCst), "one read answers one telling");
+    assert!(engine.try_execute_task().await.is_ok_and(|visited| !visited), "nothing left");
+}
+
+#[tokio::test]
+async fn a_read_that_fills_its_limit_leaves_the_store_to_be_read_again() {
+    let (_dir, store, pool) = sqlite_store().await;
+    due_finished(&pool, (0..20).map(|i| format!("thread-{i}"))).await;
+    let engine = engine(store);
+    assert!(engine.visit_next(false).await.expect("store"), "told at start");
+    assert!(engine.unread.load(Ordering::SeqCst), "16 read of 20: there may be more");
+    assert_eq!(queued(&engine).len(), 15, "the rest of the read wait their turn");
+}
+
+#[tokio::test]
+async fn the_tick_keeper_sleeps_until_the_next_step_scheduled_for_later() {
+    let (_dir, store, pool) = sqlite_store().await;
+    let engine = engine(store);
+    assert_eq!(engine.next_nap().await, HOUR, "nothing scheduled: the safety net");
+    // Scheduled by another process: only the store knows it.
+    insert_operation(&pool, "op-1", "elsewhere", None).await;
+    let stored_at = now_ms() + 1_800_000;
+    sqlx::query("UPDATE operations SET due_at = $1").bind(stored_at).execute(&pool).await.expect("due");
+    let nap = engine.next_nap().await;
+    assert!(nap <= Duration::from_secs(1800) && nap > Duration::from_secs(1790), "{nap:?}");
+    // Scheduled here, sooner.
+    let soon = now_ms() + 600_000;
+    engine.scheduled(soon);
+    let nap = engine.next_nap().await;
+    assert!(nap <= Duration::from_secs(600) && nap > Duration::from_secs(590), "{nap:?}");
+    // A step due already is its holder's (or a told worker's), not the keeper's.
+    sqlx::query("UPDATE operations SET due_at = 1").execute(&pool).await.expect("due");
+    assert!(engine.next_nap().await > Duration::from_secs(590));
+}
+
+#[tokio::test]
+async fn a_step_scheduled_here_keeps_the_keeper_until_a_read_comes_after_it() {
+    let (_dir, store, _pool) = sqlite_store().await;
+    let engine = engine(store);
+    let (passed, later) = (now_ms() + 2, now_ms() + 600_000);
+    engine.scheduled(passed);
+    engine.scheduled(later);
+    // Its time passes while the keeper is busy: it wakes at once.
+    let bound = std::time::Instant::now() + Duration::from_secs(5);
+    while now_ms() <= passed {
+        assert!(std::time::Instant::now() < bound, "the clock moves");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(engine.next_nap().await, Duration::from_millis(1), "overdue: look now");
+    engine.wake();
+    assert!(!engine.visit_next(false).await.expect("store"), "the read finds nothing left");
+    assert_eq!(engine.schedule_lock().iter().copied().collect::<Vec<_>>(), [later], "the read came after it");
+}
+
+#[tokio::test]
+async fn a_store_read_a_held_thread_was_hidden_from_is_made_again() {
+    let Some(db) = ScratchPg::create("worker::tests::a_store_read_a_held_thread_was_hidden_from").await
+    else {
+        return;
+    };
+    let engine = engine(db.store.clone());
+    // Its last read began before the store's: what woke that read may be
+    // what it missed.
+    let before = engine.claims.take(key("before")).expect("free");
+    // Its last read began after the store's: it saw all that read could.
+    let after = engine.claims.take(key("after")).expect("free");
+    engine.wake();
+    assert!(!engine.visit_next(false).await.expect("store"), "nothing to visit");
+    assert!(!engine.unread.load(Ordering::SeqCst), "the read took the telling");
+    after.reading();
+    assert_eq!(after.release().1, Missed::Nothing);
+    engine.let_go(before, false);
+    assert!(engine.unread.load(Ordering::SeqCst), "read again");
+    assert!(woken(&engine).await, "by a worker woken for it");
+    drop(engine);
+    db.drop().await;
+}
+
+#[tokio::test]
+async fn a_process_without_workers_names_threads_to_no_one() {
+    let (_dir, store, _pool) = sqlite_store().await;
+    let engine = engine(store);
+    engine.workers_here.store(false, Ordering::SeqCst);
+    for i in 0..100 {
+        engine.offer(&[key(&format!("thread-{i}"))]);
+    }
+    assert!(queued(&engine).is_empty(), "a receiver's offers would pile up in a queue no one takes from");
+    assert!(!woken(&engine).await);
+}
