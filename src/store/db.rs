@@ -130,16 +130,16 @@ macro_rules! with_pool {
 }
 
 /// The read of threads with work (`Store::threads_with_work`), stopping
-/// each kind of work at `limit` rows.
+/// each kind of work (`k`) at `limit` rows.
 fn threads_with_work_text(limit: &str) -> String {
     format!(
-        "SELECT tenant, thread_id, t FROM ( \
+        "SELECT tenant, thread_id, t, 0 AS k FROM ( \
            SELECT o.tenant, o.thread_id, o.due_at AS t FROM operations o WHERE o.due_at <= $1 \
              AND NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = o.tenant \
                              AND l.thread_id = o.thread_id AND l.until > $1) \
              ORDER BY o.due_at LIMIT {limit}) d \
          UNION ALL \
-         SELECT tenant, thread_id, t FROM ( \
+         SELECT tenant, thread_id, t, 1 AS k FROM ( \
            SELECT o.tenant, o.thread_id, o.inbox_at AS t FROM operations o WHERE o.inbox_at IS NOT NULL \
              AND NOT EXISTS (SELECT 1 FROM thread_leases l WHERE l.tenant = o.tenant \
                              AND l.thread_id = o.thread_id AND l.until > $1) \
@@ -244,6 +244,11 @@ pub enum ThreadWork {
     Answer(Box<InboxEntry>, Operation, bool),
     /// The thread's earliest step that is due.
     Due(Operation),
+    /// Nothing is due now; the thread's next step is due at this time
+    /// (ms). Whoever lets the thread go sees that a worker wakes for it:
+    /// a read of the store for work that comes when it is due may find
+    /// the thread still held and pass it by (decisions §33).
+    Later(i64),
 }
 
 /// What a batch of callbacks did: one result per entry, and the threads
@@ -1352,12 +1357,20 @@ impl Store {
     // ---- work selection and leases -----------------------------------------------------------
 
     /// Threads with something to do now: a matched inbox entry, or an
-    /// operation whose `due_at` has come. Leased threads are skipped.
-    pub async fn threads_with_work(&self, now: i64, limit: i64) -> Result<Vec<(String, String)>, StoreError> {
+    /// operation whose `due_at` has come. Leased threads are skipped. At
+    /// most `limit` threads, and whether the read was cut short: either
+    /// kind of work filled its `limit` rows, which a thread with many
+    /// operations can do alone, so others may wait unread.
+    pub async fn threads_with_work(
+        &self,
+        now: i64,
+        limit: i64,
+    ) -> Result<(Vec<(String, String)>, bool), StoreError> {
         with_pool!(self, pool, BEGIN, PG => {
             // Each kind of work is read in its index's order and stops after
             // `limit` free threads, so the cost does not grow with the backlog.
-            let rows = if PG {
+            // Each kind's rows stop at `cap`.
+            let (rows, cap) = if PG {
                 // A literal LIMIT, rounded up so that a few texts serve every
                 // limit: with a parameter the generic plan is costed for a
                 // tenth of the rows, so PostgreSQL judged it dearer than a
@@ -1371,7 +1384,7 @@ impl Store {
                     std::borrow::Cow::Borrowed(text) => sqlx::query(text),
                     std::borrow::Cow::Owned(text) => sqlx::query(AssertSqlSafe(text)),
                 };
-                q.bind(now).fetch_all(pool).await?
+                (q.bind(now).fetch_all(pool).await?, i64::try_from(rounded).unwrap_or(i64::MAX))
             } else {
                 // `LIMIT $2 + 0`, not `LIMIT $2`: SQLite (3.51) plans with the
                 // value bound to a bare LIMIT parameter and so expires the
@@ -1379,21 +1392,23 @@ impl Store {
                 // one on every call (a uprobe on `sqlite3Reprepare` under
                 // `approvald bench`: 1,233 times in a run of 1,000 approvals).
                 static TEXT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| threads_with_work_text("$2 + 0"));
-                sqlx::query(AssertSqlSafe(TEXT.as_str()))
-                    .bind(now)
-                    .bind(limit)
-                    .fetch_all(pool)
-                    .await?
+                (sqlx::query(AssertSqlSafe(TEXT.as_str())).bind(now).bind(limit).fetch_all(pool).await?, limit)
             };
             let mut threads: Vec<(String, String)> = Vec::new();
+            let mut per_kind = [0_i64; 2];
             for r in &rows {
                 let key: (String, String) = (r.try_get("tenant")?, r.try_get("thread_id")?);
+                if let Some(n) = per_kind.get_mut(usize::try_from(r.try_get::<i32, _>("k")?).unwrap_or(0)) {
+                    *n += 1;
+                }
                 if !threads.contains(&key) {
                     threads.push(key);
                 }
             }
+            let cut_short =
+                threads.len() > usize::try_from(limit).unwrap_or(16) || per_kind.iter().any(|&n| n >= cap);
             threads.truncate(usize::try_from(limit).unwrap_or(16));
-            Ok(threads)
+            Ok((threads, cut_short))
         })
     }
 
@@ -1489,10 +1504,10 @@ impl Store {
     /// due now (PostgreSQL; SQLite has no lease rows, §14): the last read
     /// of every visit and the release were two round trips. Returns
     /// whether nothing was due now, so that the lease, if `owner` held it,
-    /// was given up. A callback committed after the
-    /// read's snapshot finds the lease still held and its worker passes
-    /// the thread by, as one committed between a read and a release of
-    /// their own did; the safety-net poll takes it.
+    /// was given up. A callback committed after the read's snapshot finds
+    /// the lease still held and its worker passes the thread by; the
+    /// holder's claim hears of it and has the thread looked at again when
+    /// it lets go (`src/worker/claims.rs`, decisions §33).
     pub async fn next_work_or_release(
         &self,
         tenant: &str,
@@ -1637,8 +1652,12 @@ impl Store {
             let mut first: Option<(InboxEntry, Operation, bool)> = None;
             let mut decisions = Vec::new();
             let mut due: Option<Operation> = None;
+            let mut later: Option<i64> = None;
             for row in &rows {
                 let op = Operation::from_row(row)?;
+                if let Some(at) = op.due_at.filter(|&at| at > now) {
+                    later = Some(later.map_or(at, |l| l.min(at)));
+                }
                 if op.due_at.is_some_and(|at| at <= now)
                     && due.as_ref().is_none_or(|d| (op.due_at, op.created_at) < (d.due_at, d.created_at))
                 {
@@ -1694,7 +1713,7 @@ impl Store {
                 // mark would make workers take this thread forever.
                 self.clear_stale_inbox_marks(tenant, &decisions).await?;
             }
-            Ok((due.map(ThreadWork::Due), flag))
+            Ok((due.map(ThreadWork::Due).or(later.map(ThreadWork::Later)), flag))
         })
     }
 

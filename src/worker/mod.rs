@@ -232,6 +232,17 @@ impl Engine {
         }
     }
 
+    /// A thread let go has a step due at `at`, which a read of the store
+    /// made while it was still held may have passed by: the tick keeper
+    /// wakes for it, or, due already, the workers look now.
+    fn due_later(&self, at: i64) {
+        if at > now_ms() {
+            self.scheduled(at);
+        } else {
+            self.wake();
+        }
+    }
+
     fn schedule_lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<i64>> {
         self.schedule.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -396,15 +407,17 @@ impl Engine {
             // Threads our own workers are on still show as having work
             // until they commit; look past them.
             let limit = 16 + self.claims.busy();
-            let found = match self.store.threads_with_work(now, i64::try_from(limit).unwrap_or(16)).await {
-                Ok(found) => found,
-                Err(e) => {
-                    self.unread.store(true, Ordering::SeqCst);
-                    return Err(e);
-                }
-            };
-            if found.len() >= limit {
-                // There may be more than the read took.
+            let (found, cut_short) =
+                match self.store.threads_with_work(now, i64::try_from(limit).unwrap_or(16)).await {
+                    Ok(found) => found,
+                    Err(e) => {
+                        self.unread.store(true, Ordering::SeqCst);
+                        return Err(e);
+                    }
+                };
+            if cut_short {
+                // There may be more than the read took: the next worker
+                // to finish a visit reads again.
                 self.unread.store(true, Ordering::SeqCst);
             }
             self.queue().extend(found);
@@ -464,6 +477,10 @@ impl Engine {
                     self.apply_answer(*entry, op, held_back).await?
                 }
                 Some(ThreadWork::Due(op)) => self.step(op).await?,
+                Some(ThreadWork::Later(at)) => {
+                    self.due_later(at);
+                    return Ok(given_up);
+                }
                 None => return Ok(given_up),
             }
         }
@@ -542,11 +559,6 @@ impl Engine {
     async fn worker_loop(&self, index: usize, shutdown: CancellationToken) {
         let mut failures: i64 = 0;
         while !shutdown.is_cancelled() {
-            // Registered before looking for work, so a wake-up between the
-            // look and the wait is not lost.
-            let notified = self.wake.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
             match self.visit_next(false).await {
                 Ok(true) => {
                     failures = 0;
@@ -566,6 +578,14 @@ impl Engine {
                     continue;
                 }
             }
+            // Registered only now, about to idle: a worker registered through
+            // its visits took wake-ups meant for idle ones (tokio gives
+            // `notify_one` to the longest waiter), and their work waited for
+            // its visit to end. One given since the look above went to an
+            // idle sibling, or is kept for the next to register: this one.
+            let notified = self.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
             // Sleep until woken, until the earliest scheduled retry, or the
             // safety-net tick. One worker keeps the tick; it wakes the others
             // when it finds more than it can take, so an idle process wakes

@@ -44,6 +44,9 @@ impl Engine {
                 Err(e) => {
                     failures += 1;
                     tracing::warn!(error = %e, "reconciler cannot reach the store");
+                    // What it did before failing (an operation expired, an
+                    // answer found) waits for the workers: tell them.
+                    self.wake();
                     Duration::from_millis(u64::try_from(self.backoff_ms(failures)).unwrap_or(1000))
                 }
             };

@@ -38,15 +38,21 @@ fn engine(store: Store) -> Engine {
 /// Finished operations on `threads` whose `due_at` has come: a visit
 /// only clears it.
 async fn due_finished(pool: &sqlx::SqlitePool, threads: impl IntoIterator<Item = String>) {
+    due_finished_at(pool, threads.into_iter().map(|t| (format!("op-{t}"), t)), 1).await;
+}
+
+/// Finished operations (id, thread) whose `due_at` is `at`.
+async fn due_finished_at(pool: &sqlx::SqlitePool, ops: impl IntoIterator<Item = (String, String)>, at: i64) {
     let body = serde_json::json!({"operationKey": "k", "threadId": "x", "interruptId": "i", "effect": "orders",
         "externalId": "u", "question": "Proceed?", "toolName": "ship", "parameters": {}});
     let limits = crate::domain::operation::Limits { max_expires_in_secs: 3600 };
     let spec = crate::domain::operation::parse(&body, limits, 0).expect("a valid body");
-    for thread in threads {
-        insert_operation(pool, &format!("op-{thread}"), &thread, None).await;
+    for (id, thread) in ops {
+        insert_operation(pool, &id, &thread, None).await;
     }
-    sqlx::query("UPDATE operations SET state = 'succeeded', due_at = 1, spec = $1")
+    sqlx::query("UPDATE operations SET state = 'succeeded', due_at = $2, spec = $1 WHERE due_at IS NULL")
         .bind(serde_json::to_string(&spec).expect("serializes"))
+        .bind(at)
         .execute(pool)
         .await
         .expect("due");
@@ -178,4 +184,34 @@ async fn a_process_without_workers_names_threads_to_no_one() {
     }
     assert!(queued(&engine).is_empty(), "a receiver's offers would pile up in a queue no one takes from");
     assert!(!woken(&engine).await);
+}
+
+#[tokio::test]
+async fn a_read_filled_by_one_threads_steps_leaves_the_store_to_be_read_again() {
+    let (_dir, store, pool) = sqlite_store().await;
+    due_finished_at(&pool, (0..20).map(|i| (format!("op-{i}"), "busy".to_owned())), 1).await;
+    due_finished_at(&pool, [("op-late".to_owned(), "waiting".to_owned())], 2).await;
+    let engine = engine(store);
+    let held = engine.claims.take(key("busy")).expect("free");
+    assert!(!engine.visit_next(false).await.expect("store"), "the one thread read is held");
+    assert!(engine.unread.load(Ordering::SeqCst), "its 16 steps filled the read: there may be more");
+    drop(held);
+}
+
+#[tokio::test]
+async fn a_thread_let_go_with_a_step_due_later_has_the_keeper_wake_for_it() {
+    let (_dir, store, pool) = sqlite_store().await;
+    let at = now_ms() + 600_000;
+    due_finished_at(&pool, [("op-1".to_owned(), "later".to_owned())], at).await;
+    let engine = engine(store);
+    engine.unread.store(false, Ordering::SeqCst);
+    engine.offer(&[key("later")]);
+    assert!(engine.visit_next(false).await.expect("store"), "visited");
+    assert_eq!(engine.schedule_lock().iter().copied().collect::<Vec<_>>(), [at], "kept for the keeper");
+    let nap = engine.next_nap().await;
+    assert!(nap <= Duration::from_secs(600) && nap > Duration::from_secs(590), "{nap:?}");
+    // Due by the time it is let go: the workers look at once.
+    woken(&engine).await;
+    engine.due_later(now_ms() - 1);
+    assert!(engine.unread.load(Ordering::SeqCst) && woken(&engine).await);
 }

@@ -83,3 +83,46 @@ async fn operations_enqueued_while_their_thread_is_worked_are_opened() {
     }
 }
 }
+
+// A worker held by a slow call is not woken for other work: wake-ups go
+// to idle workers. Each approval after the first wakes the idle worker
+// that has waited longest; once every idle one has worked, a worker that
+// stayed registered through its visit would be the longest waiter, and
+// the next approval would wait for that visit's call to return.
+both_engines! {
+async fn a_worker_held_by_a_slow_call_does_not_take_wake_ups_from_idle_ones() {
+    let app = TestApp::spawn_with(Options { idle_poll: Some(HOUR), ..Options::default() }).await;
+    let slow = app.enqueue_ok(&confirm("slow")).await;
+    let others: Vec<String> = {
+        let mut ids = Vec::new();
+        // Eight workers by default: seven idle ones, then the busy one.
+        for k in 0..9 {
+            ids.push(app.enqueue_ok(&confirm(&format!("quick-{k}"))).await);
+        }
+        ids
+    };
+    let slow_decision = app.decision_of(&slow).await;
+    let mut decisions = Vec::new();
+    for id in &others {
+        decisions.push(app.decision_of(id).await);
+    }
+    // Under the client's 5-second timeout, so the slow call still succeeds.
+    let hold = Duration::from_secs(4);
+    app.sandbox.delay_next_consume_response(hold);
+    app.answer(&slow_decision, "yes").await;
+    let held_at = Instant::now();
+    assert!(
+        app.sandbox.wait_for(WAIT, |s| s.consume_calls(&slow_decision) == 1).await,
+        "the slow approval's consume never came"
+    );
+    for (id, decision) in others.iter().zip(&decisions) {
+        let start = Instant::now();
+        app.answer(decision, "yes").await;
+        app.wait_op(id, "delivered", |o| o["delivery"] == "done").await;
+        assert!(start.elapsed() < Duration::from_secs(2), "{id} waited {:?} for a busy worker", start.elapsed());
+    }
+    assert!(held_at.elapsed() < hold, "the check ran while the slow call was held");
+    let op = app.wait_op(&slow, "receipt recorded", |o| o["receipt"] == "recorded").await;
+    assert_eq!(op["state"], "succeeded");
+}
+}
