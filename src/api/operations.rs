@@ -41,7 +41,7 @@ pub(super) async fn enqueue(
     match state.engine.store().insert_operation(&op, &first).await? {
         Inserted::Created => {
             tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, "operation enqueued");
-            state.engine.offer(&[(op.tenant.clone(), op.thread_id.clone())]);
+            state.engine.offer_thread_of(&op);
             Ok((StatusCode::CREATED, Json(view(&op, &[first], None))))
         }
         Inserted::Existing(existing) if existing.fingerprint == op.fingerprint => {

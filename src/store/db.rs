@@ -1736,11 +1736,7 @@ impl Store {
 
     /// When the earliest scheduled step is due, whether or not its time has come.
     pub async fn next_due_at(&self) -> Result<Option<i64>, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
-            Ok(sqlx::query_scalar("SELECT MIN(due_at) FROM operations WHERE due_at IS NOT NULL")
-                .fetch_one(pool)
-                .await?)
-        })
+        self.next_due_after(i64::MIN).await
     }
 
     /// When the earliest step scheduled after `now` is due, so the idle

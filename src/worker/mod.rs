@@ -192,8 +192,19 @@ impl Engine {
     /// that finds more work than it takes wakes the next, so a burst wakes
     /// as many workers as it needs, and one callback wakes one.
     pub fn wake(&self) {
-        self.unread.store(true, Ordering::SeqCst);
+        self.mark_unread();
         self.wake.notify_one();
+    }
+
+    /// The store may hold work no candidate names: the next worker to run
+    /// out of candidates reads it.
+    fn mark_unread(&self) {
+        self.unread.store(true, Ordering::SeqCst);
+    }
+
+    /// `offer` for the thread of `op`, just given work.
+    pub fn offer_thread_of(&self, op: &Operation) {
+        self.offer(&[(op.tenant.clone(), op.thread_id.clone())]);
     }
 
     /// Threads that were just given work (answers stored for them, an
@@ -222,23 +233,24 @@ impl Engine {
 
     /// A step of an operation on a held thread comes due at `at`. Due now,
     /// the holder does it; later, the tick keeper must wake for it, and it
-    /// only knows the schedule it read before its nap.
-    pub(crate) fn scheduled(&self, at: i64) {
-        if at > now_ms() {
-            self.schedule_lock().insert(at);
-            if at < self.tick_at.load(Ordering::SeqCst) {
-                self.tick.notify_one();
-            }
+    /// only knows the schedule it read before its nap. Returns whether the
+    /// step is for later (kept for the keeper).
+    pub(crate) fn scheduled(&self, at: i64) -> bool {
+        if at <= now_ms() {
+            return false;
         }
+        self.schedule_lock().insert(at);
+        if at < self.tick_at.load(Ordering::SeqCst) {
+            self.tick.notify_one();
+        }
+        true
     }
 
     /// A thread let go has a step due at `at`, which a read of the store
     /// made while it was still held may have passed by: the tick keeper
     /// wakes for it, or, due already, the workers look now.
     fn due_later(&self, at: i64) {
-        if at > now_ms() {
-            self.scheduled(at);
-        } else {
+        if !self.scheduled(at) {
             self.wake();
         }
     }
@@ -322,7 +334,7 @@ impl Engine {
                         // to wait out the lease. The owner names this
                         // visit alone, so this deletes nothing else.
                         let _ = self.store.release_lease(&tenant, &thread, &owner).await;
-                        self.let_go(claim, true);
+                        self.let_go(claim);
                         return Err(e);
                     }
                 }
@@ -342,7 +354,7 @@ impl Engine {
             } else {
                 Ok(())
             };
-            self.let_go(claim, result.is_err() || released.is_err());
+            self.let_go(claim);
             result?;
             released?;
             return Ok(true);
@@ -350,13 +362,12 @@ impl Engine {
     }
 
     /// Lets a visited thread go, and answers what came for it that the
-    /// visit's last read may have missed. `failed`: the visit ended in an
-    /// error, so its thread may still have work.
-    fn let_go(&self, claim: Claim<'_>, failed: bool) {
+    /// visit's last read may have missed. (A visit that failed leaves the
+    /// store to be read again by its worker's loop.)
+    fn let_go(&self, claim: Claim<'_>) {
         match claim.release() {
             (key, Missed::Offered) => self.offer(&[key]),
             (_, Missed::HiddenFromRead) => self.wake(),
-            (_, Missed::Nothing) if failed => self.unread.store(true, Ordering::SeqCst),
             (_, Missed::Nothing) => {}
         }
     }
@@ -399,26 +410,17 @@ impl Engine {
             let now = now_ms();
             // This read takes every step due by now, unless its thread is
             // held (whose holder goes on with it).
-            {
-                let mut schedule = self.schedule_lock();
-                let later = schedule.split_off(&(now + 1));
-                *schedule = later;
-            }
+            self.schedule_lock().retain(|&at| at > now);
             // Threads our own workers are on still show as having work
             // until they commit; look past them.
             let limit = 16 + self.claims.busy();
+            // A failed read is made again by the worker's loop.
             let (found, cut_short) =
-                match self.store.threads_with_work(now, i64::try_from(limit).unwrap_or(16)).await {
-                    Ok(found) => found,
-                    Err(e) => {
-                        self.unread.store(true, Ordering::SeqCst);
-                        return Err(e);
-                    }
-                };
+                self.store.threads_with_work(now, i64::try_from(limit).unwrap_or(16)).await?;
             if cut_short {
                 // There may be more than the read took: the next worker
                 // to finish a visit reads again.
-                self.unread.store(true, Ordering::SeqCst);
+                self.mark_unread();
             }
             self.queue().extend(found);
         }
@@ -573,8 +575,9 @@ impl Engine {
                         () = shutdown.cancelled() => break,
                         () = tokio::time::sleep(Duration::from_millis(u64::try_from(delay).unwrap_or(1000))) => {}
                     }
-                    // What failed may have left work behind.
-                    self.unread.store(true, Ordering::SeqCst);
+                    // What failed (a visit, a read of the store for work)
+                    // may have left work behind.
+                    self.mark_unread();
                     continue;
                 }
             }
@@ -610,8 +613,8 @@ impl Engine {
                 () = &mut notified => {}
                 // The safety net, and the tick keeper's schedule: both are
                 // for work that no one names.
-                () = &mut tick, if index == 0 => self.unread.store(true, Ordering::SeqCst),
-                () = tokio::time::sleep(nap) => self.unread.store(true, Ordering::SeqCst),
+                () = &mut tick, if index == 0 => self.mark_unread(),
+                () = tokio::time::sleep(nap) => self.mark_unread(),
             }
             if index == 0 {
                 self.tick_at.store(i64::MAX, Ordering::SeqCst);

@@ -60,7 +60,7 @@ impl Engine {
             op.poll_at = None;
             let t = reject(&mut op, State::Cancelled, format!("cancelled by {actor}"), actor);
             if self.store.save(&mut op, &[t], None).await? {
-                self.offer(&[(op.tenant.clone(), op.thread_id.clone())]);
+                self.offer_thread_of(&op);
                 return Ok(op);
             }
         }
@@ -92,7 +92,7 @@ impl Engine {
         by: &str,
     ) -> Result<Operation, ResolveError> {
         let op = resolve(&self.store, tenant, id, outcome, note, by).await?;
-        self.offer(&[(op.tenant.clone(), op.thread_id.clone())]);
+        self.offer_thread_of(&op);
         Ok(op)
     }
 }

@@ -82,7 +82,7 @@ async fn a_thread_named_while_held_is_named_again_when_let_go() {
     assert!(woken(&engine).await, "an offer wakes a worker");
     assert!(!engine.visit_next(false).await.expect("store"), "the thread is held: nothing visited");
     assert!(queued(&engine).is_empty(), "the worker took the name and found it held");
-    engine.let_go(claim, false);
+    engine.let_go(claim);
     assert_eq!(queued(&engine), [key("held")], "named again");
     assert!(woken(&engine).await, "and a worker woken for it");
 }
@@ -167,7 +167,7 @@ async fn a_store_read_a_held_thread_was_hidden_from_is_made_again() {
     assert!(!engine.unread.load(Ordering::SeqCst), "the read took the telling");
     after.reading();
     assert_eq!(after.release().1, Missed::Nothing);
-    engine.let_go(before, false);
+    engine.let_go(before);
     assert!(engine.unread.load(Ordering::SeqCst), "read again");
     assert!(woken(&engine).await, "by a worker woken for it");
     drop(engine);
