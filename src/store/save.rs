@@ -313,6 +313,22 @@ impl Store {
         transitions: &[Transition],
         inbox: Option<(i64, &str, Option<&str>)>,
     ) -> Result<bool, StoreError> {
+        self.save_held_releasing(op, transitions, inbox, None).await.map(|(saved, _)| saved)
+    }
+
+    /// `save_held`, which on PostgreSQL also gives up the thread's lease
+    /// held by `release` (its owner) if, the save made, none of the
+    /// thread's operations has a step due (now or later) or an answer
+    /// waiting: what the visit's last read would have found before giving
+    /// it up (decisions §34). Returns whether the save took and whether the
+    /// lease went; SQLite takes no lease rows (§14) and gives up none.
+    pub async fn save_held_releasing(
+        &self,
+        op: &mut Operation,
+        transitions: &[Transition],
+        inbox: Option<(i64, &str, Option<&str>)>,
+        release: Option<&str>,
+    ) -> Result<(bool, bool), StoreError> {
         let (deliveries, calls) = unrecorded_json(op);
         let x = Extras {
             clear_inbox_at: inbox.is_some(),
@@ -325,14 +341,14 @@ impl Store {
             inbox_state: inbox.map(|i| i.1),
             inbox_note: inbox.and_then(|i| i.2),
         };
-        let saved = match &self.backend {
+        let (saved, released) = match &self.backend {
             Backend::Postgres(_) => {
                 let queue = self.pg_saves.as_ref().expect("a PostgreSQL store has a save queue");
-                queue.save(bind_all!(Values::default(), op, x).0).await?
+                queue.save(bind_all!(Values::default(), op, x).0, release).await?
             }
             Backend::Sqlite(_) => {
                 let queue = self.sqlite_saves.as_ref().expect("a SQLite store has a save queue");
-                queue.save(bind_all!(Values::default(), op, x)).await?
+                (queue.save(bind_all!(Values::default(), op, x)).await?, false)
             }
         };
         op.unrecorded_delivery = None;
@@ -340,7 +356,7 @@ impl Store {
         if saved {
             op.version += 1;
         }
-        Ok(saved)
+        Ok((saved, released))
     }
 }
 

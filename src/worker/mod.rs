@@ -29,12 +29,24 @@ use crate::config::Config;
 use crate::pushary::PusharyClient;
 use crate::store::{Operation, Store, StoreError, ThreadWork};
 
-tokio::task_local! {
-    /// The operation a worker's last save on its held thread left due now,
-    /// as saved (its version bumped): the next step of the same approval,
+/// What a worker's visit to a thread carries from one step to the next.
+#[derive(Debug, Default)]
+struct Visit {
+    /// The operation the last save on the held thread left due now, as
+    /// saved (its version bumped): the next step of the same approval,
     /// which the worker then takes without a read of the store. Each save
     /// replaces it; a save that leaves nothing due now clears it.
-    static DUE_NEXT: RefCell<Option<Operation>>;
+    due_next: Option<Operation>,
+    /// The owner of the thread's lease, on a store with leases: a save
+    /// that finishes its operation gives the lease up with it if the
+    /// thread has nothing left (decisions §34).
+    lease_owner: Option<String>,
+    /// A save gave the lease up: the visit is over.
+    gave_up: bool,
+}
+
+tokio::task_local! {
+    static VISIT: RefCell<Visit>;
 }
 
 /// Records `op`, just saved, as the worker's next work if it is due now.
@@ -42,7 +54,24 @@ tokio::task_local! {
 /// does nothing.
 fn due_next(op: &Operation) {
     let due = op.due_at.is_some_and(|at| at <= now_ms());
-    let _ = DUE_NEXT.try_with(|n| *n.borrow_mut() = due.then(|| op.clone()));
+    let _ = VISIT.try_with(|v| v.borrow_mut().due_next = due.then(|| op.clone()));
+}
+
+/// The owner of the lease a save of `op` on the visited thread may give
+/// up: only a save that leaves `op` finished, with nothing due (a save
+/// that opens a decision goes on to look for an early answer, and one
+/// that leaves a step for later keeps the thread's next step in its
+/// holder's hands). None outside a visit, and on SQLite.
+fn lease_to_give_up(op: &Operation) -> Option<String> {
+    if !op.state.is_terminal() || op.due_at.is_some() || steps::needs_work(op) {
+        return None;
+    }
+    VISIT.try_with(|v| v.borrow().lease_owner.clone()).ok().flatten()
+}
+
+/// The save just made gave up the visit's lease.
+fn gave_up_lease() {
+    let _ = VISIT.try_with(|v| v.borrow_mut().gave_up = true);
 }
 
 /// Timings and switches the engine takes from configuration.
@@ -344,8 +373,9 @@ impl Engine {
             if more {
                 self.wake.notify_one();
             }
+            let visit = Visit { lease_owner: shared.then(|| owner.clone()), ..Visit::default() };
             let result =
-                DUE_NEXT.scope(RefCell::new(None), self.work_thread(&claim, &owner, shared, first)).await;
+                VISIT.scope(RefCell::new(visit), self.work_thread(&claim, &owner, shared, first)).await;
             // Release even after an error, so the thread does not wait out
             // the lease, unless the visit's last read gave it up.
             let given_up = result.as_ref().is_ok_and(|given_up| *given_up);
@@ -426,8 +456,9 @@ impl Engine {
         }
     }
 
-    /// Does the thread's due work; returns whether the lease was given up
-    /// with the read that found no more (`Store::next_work_or_release`).
+    /// Does the thread's due work; returns whether the lease was given up,
+    /// with the read that found no more (`Store::next_work_or_release`) or
+    /// with the save that finished the thread's work (`Visit::gave_up`).
     /// `read`: the thread's work as read with its lease, if it was
     /// (`Store::take_thread`).
     async fn work_thread(
@@ -444,6 +475,9 @@ impl Engine {
         let mut renewed = now_ms();
         // Bounded, so one busy thread cannot starve the others.
         for _ in 0..64 {
+            if VISIT.try_with(|v| v.borrow().gave_up).unwrap_or(false) {
+                return Ok(true);
+            }
             let now = now_ms();
             if leased && now - renewed >= self.settings.lease_ms / 3 {
                 if !self.store.renew_lease(tenant, thread, owner, now + self.settings.lease_ms).await? {
@@ -459,7 +493,7 @@ impl Engine {
             // The step just saved left its operation due now (the next step
             // of an approval: consume, deliver, record the receipt): the
             // holder goes on with it as saved, without reading it back.
-            let saved = DUE_NEXT.try_with(|n| n.borrow_mut().take()).ok().flatten().filter(|op| {
+            let saved = VISIT.try_with(|v| v.borrow_mut().due_next.take()).ok().flatten().filter(|op| {
                 op.tenant == tenant && op.thread_id == thread && op.due_at.is_some_and(|at| at <= now)
             });
             let (work, given_up) = match (read.take(), saved) {
@@ -474,6 +508,11 @@ impl Engine {
                     (self.store.next_work_for_thread(tenant, thread, now).await?, false)
                 }
             };
+            if leased {
+                // The step's save may be the visit's last read, giving up
+                // the lease (`lease_to_give_up`): it begins after this.
+                claim.reading();
+            }
             match work {
                 Some(ThreadWork::Answer(entry, op, held_back)) => {
                     self.apply_answer(*entry, op, held_back).await?

@@ -88,14 +88,21 @@ impl Engine {
     /// Saves a step of an operation on the thread this worker holds
     /// (`Store::save_held`): `work_thread` goes on with what the save left
     /// due now, and a step scheduled for later is the tick keeper's, told
-    /// here so it wakes for it.
+    /// here so it wakes for it. A save that finishes the operation gives
+    /// up the thread's lease if nothing is left on the thread, and the
+    /// visit ends with it (`Store::save_held_releasing`).
     async fn save(
         &self,
         op: &mut Operation,
         transitions: &[Transition],
         inbox: Option<(i64, &str, Option<&str>)>,
     ) -> Result<bool, StoreError> {
-        let saved = self.store.save_held(op, transitions, inbox).await?;
+        let release = super::lease_to_give_up(op);
+        let (saved, gave_up) =
+            self.store.save_held_releasing(op, transitions, inbox, release.as_deref()).await?;
+        if gave_up {
+            super::gave_up_lease();
+        }
         if saved && let Some(at) = op.due_at {
             self.scheduled(at);
         }

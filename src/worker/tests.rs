@@ -215,3 +215,86 @@ async fn a_thread_let_go_with_a_step_due_later_has_the_keeper_wake_for_it() {
     engine.due_later(now_ms() - 1);
     assert!(engine.unread.load(Ordering::SeqCst) && woken(&engine).await);
 }
+
+/// Finished operations (id, thread) on PostgreSQL whose `due_at` is `at`.
+async fn pg_due_finished_at(pool: &sqlx::PgPool, ops: &[(&str, &str)], at: i64) {
+    let body = serde_json::json!({"operationKey": "k", "threadId": "x", "interruptId": "i", "effect": "orders",
+        "externalId": "u", "question": "Proceed?", "toolName": "ship", "parameters": {}});
+    let limits = crate::domain::operation::Limits { max_expires_in_secs: 3600 };
+    let spec = crate::domain::operation::parse(&body, limits, 0).expect("a valid body");
+    for (id, thread) in ops {
+        sqlx::query(
+            "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+             decision_type, spec, decision_request, state, idempotency_key, deadline, created_at, updated_at, \
+             due_at) VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', $3, '{}', 'succeeded', $1, 9, 1, 1, $4)",
+        )
+        .bind(id)
+        .bind(thread)
+        .bind(serde_json::to_string(&spec).expect("serializes"))
+        .bind(at)
+        .execute(pool)
+        .await
+        .expect("inserts");
+    }
+}
+
+/// Visits `thread` as a worker does, lease first: how the visit ended
+/// (whether the lease was given up) and whether a save gave it up.
+async fn visit_leased(engine: &Engine, thread: &str) -> (bool, bool) {
+    let claim = engine.claims.take(key(thread)).expect("free");
+    let owner = format!("test-{thread}");
+    let now = now_ms();
+    let first =
+        engine.store.take_thread("t", thread, &owner, now, now + 30_000).await.expect("store").expect("free");
+    let visit = super::Visit { lease_owner: Some(owner.clone()), ..super::Visit::default() };
+    super::VISIT
+        .scope(std::cell::RefCell::new(visit), async {
+            let given_up = engine.work_thread(&claim, &owner, true, Some(first)).await.expect("visits");
+            (given_up, super::VISIT.with(|v| v.borrow().gave_up))
+        })
+        .await
+}
+
+async fn leases(pool: &sqlx::PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT thread_id FROM thread_leases ORDER BY 1").fetch_all(pool).await.expect("reads")
+}
+
+// The save that finishes the last work of a thread gives its lease up,
+// and the visit ends there: no read of the thread after it (decisions §34).
+#[tokio::test]
+async fn a_visit_ends_with_the_save_that_finishes_its_thread() {
+    let Some(db) = ScratchPg::create("worker::tests::a_visit_ends_with_the_save_that_finishes").await else {
+        return;
+    };
+    let pool = db.store.pg_pool().expect("PostgreSQL").clone();
+    pg_due_finished_at(&pool, &[("op-1", "done")], 1).await;
+    let engine = engine(db.store.clone());
+    assert_eq!(visit_leased(&engine, "done").await, (true, true), "given up by the save");
+    assert!(leases(&pool).await.is_empty());
+    let due: Option<i64> = sqlx::query_scalar("SELECT due_at FROM operations WHERE id = 'op-1'")
+        .fetch_one(&pool)
+        .await
+        .expect("reads");
+    assert_eq!(due, None, "the step was saved");
+    drop(engine);
+    db.drop().await;
+}
+
+// A thread with a step left for later keeps its lease through the save;
+// the visit's last read gives it up and hands the step to the keeper.
+#[tokio::test]
+async fn a_save_leaves_the_lease_to_the_read_when_the_thread_has_a_step_later() {
+    let Some(db) = ScratchPg::create("worker::tests::a_save_leaves_the_lease_to_the_read").await else {
+        return;
+    };
+    let pool = db.store.pg_pool().expect("PostgreSQL").clone();
+    let later = now_ms() + 600_000;
+    pg_due_finished_at(&pool, &[("op-1", "busy")], 1).await;
+    pg_due_finished_at(&pool, &[("op-2", "busy")], later).await;
+    let engine = engine(db.store.clone());
+    assert_eq!(visit_leased(&engine, "busy").await, (true, false), "given up by the read");
+    assert!(leases(&pool).await.is_empty());
+    assert_eq!(engine.schedule_lock().iter().copied().collect::<Vec<_>>(), [later], "kept for the keeper");
+    drop(engine);
+    db.drop().await;
+}

@@ -201,11 +201,11 @@ fn setup() -> &'static str {
         let record = record.join(", ");
         format!(
             "CREATE OR REPLACE FUNCTION pg_temp.approvald_save_batch(batch jsonb, carries integer) \
-             RETURNS SETOF bigint \
+             RETURNS TABLE (saved_seq bigint, gave_up_lease boolean) \
              LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_hashjoin = off \
              SET enable_mergejoin = off SET enable_seqscan = off AS $fn$ \
              #variable_conflict use_column\n \
-             DECLARE s record; taken bigint[]; \
+             DECLARE s record; taken bigint[]; gave_up bigint[] := '{{}}'; \
              BEGIN \
              IF carries & {DELIVERIES} <> 0 THEN {deliveries}END IF; \
              IF carries & {CALLS} <> 0 THEN {calls}END IF; \
@@ -215,19 +215,40 @@ fn setup() -> &'static str {
                WHERE x.seq = ANY(taken) AND (x.release_next OR x.inbox_id IS NOT NULL) ORDER BY x.seq \
              LOOP {after} END LOOP; END IF; \
              IF carries & {TRANSITIONS} <> 0 AND cardinality(taken) > 0 THEN {transitions}END IF; \
-             RETURN QUERY SELECT unnest(taken); END \
+             IF carries & {RELEASE} <> 0 AND cardinality(taken) > 0 THEN {release}END IF; \
+             RETURN QUERY SELECT t, t = ANY(gave_up) FROM unnest(taken) AS t; END \
              $fn$",
             cas = compare_and_set(&record),
             DELIVERIES = DELIVERIES,
             CALLS = CALLS,
             AFTER = AFTER,
             TRANSITIONS = TRANSITIONS,
+            RELEASE = RELEASE,
+            release = RELEASE_LEASE,
             after = params_as_fields(AFTER_TAKEN, "s."),
         )
     })
 }
 
-const BATCH: &str = "SELECT seq FROM pg_temp.approvald_save_batch($1::jsonb, $2::integer) AS seq";
+const BATCH: &str =
+    "SELECT saved_seq, gave_up_lease FROM pg_temp.approvald_save_batch($1::jsonb, $2::integer)";
+
+/// The leases given up with the saves that end their holder's visit
+/// (`release_owner`, decisions §34): a thread's lease goes if, after the
+/// batch's other statements, none of its operations has a step due, now
+/// or later, nor an answer waiting; the read that would have found exactly
+/// that, a statement and a round trip of its own after the save, is not
+/// made. A thread with anything left keeps its lease, and its holder
+/// reads its work as before. (The leases' table is unlogged; the delete
+/// rides in the save's durable commit.)
+const RELEASE_LEASE: &str = "WITH gone AS (DELETE FROM thread_leases l \
+     USING jsonb_to_recordset(batch) AS x(seq bigint, tenant text, thread_id text, release_owner text) \
+     WHERE x.seq = ANY(taken) AND x.release_owner IS NOT NULL AND l.tenant = x.tenant \
+       AND l.thread_id = x.thread_id AND l.owner = x.release_owner \
+       AND NOT EXISTS (SELECT 1 FROM operations o WHERE o.tenant = x.tenant AND o.thread_id = x.thread_id \
+         AND (o.due_at IS NOT NULL OR (o.inbox_at IS NOT NULL AND o.decision_id IS NOT NULL))) \
+     RETURNING x.seq) \
+   SELECT coalesce(array_agg(seq), '{}') INTO gave_up FROM gone; ";
 
 /// What a batch carries besides its compare-and-sets, as bits of the
 /// function's second argument: a statement whose rows no save in the
@@ -240,6 +261,8 @@ const CALLS: i32 = 2;
 /// The release of a thread's next answer, or an inbox row's mark.
 const AFTER: i32 = 4;
 const TRANSITIONS: i32 = 8;
+/// A lease to give up with its save.
+const RELEASE: i32 = 16;
 
 /// The bits of `rows`' carries, as `DELIVERIES` … `TRANSITIONS`.
 fn carries(rows: &[&[SaveValue]]) -> i32 {
@@ -265,10 +288,14 @@ const CALLS_AT: usize = 26;
 const RELEASE_NEXT_AT: usize = 27;
 const INBOX_ID_AT: usize = 28;
 
-type Reply = Result<bool, StoreError>;
+/// Whether the save took, and whether its thread's lease went with it.
+type Reply = Result<(bool, bool), StoreError>;
 
 struct Pending {
     values: Vec<SaveValue>,
+    /// The owner of the thread's lease to give up with the save, if the
+    /// thread has no work left (`RELEASE_LEASE`).
+    release: Option<Arc<str>>,
     reply: oneshot::Sender<Reply>,
     queued: std::time::Instant,
 }
@@ -303,16 +330,22 @@ impl PgSaveQueue {
     }
 
     /// Queues one save (`values` as `bind_all!` binds them) and returns
-    /// whether it took, once its batch has committed.
+    /// whether it took, once its batch has committed, and whether the
+    /// lease of `release` (its owner) went with it.
     ///
     /// A batch runs in a task of its own, not in the caller's future: a
     /// caller dropped mid-save (an HTTP client gone) must not cut the
     /// statement of the other saves in its batch short.
-    pub(crate) async fn save(self: &Arc<Self>, values: Vec<SaveValue>) -> Result<bool, StoreError> {
+    pub(crate) async fn save(
+        self: &Arc<Self>,
+        values: Vec<SaveValue>,
+        release: Option<&str>,
+    ) -> Result<(bool, bool), StoreError> {
         let (reply, answer) = oneshot::channel();
         let start = {
             let mut waiting = self.lock();
-            waiting.saves.push_back(Pending { values, reply, queued: std::time::Instant::now() });
+            let release = release.map(Arc::from);
+            waiting.saves.push_back(Pending { values, release, reply, queued: std::time::Instant::now() });
             // Under the same lock a runner decides to stop (`take`), so a
             // save is never left with no runner to take it.
             let start = waiting.running < RUNNERS;
@@ -353,9 +386,10 @@ impl PgSaveQueue {
             // Stable: saves of one operation keep their order.
             batch.sort_by(|a, b| operation_id(&a.values).cmp(&operation_id(&b.values)));
             let rows: Vec<&[SaveValue]> = batch.iter().map(|p| p.values.as_slice()).collect();
+            let releases: Vec<Option<&str>> = batch.iter().map(|p| p.release.as_deref()).collect();
             let started = std::time::Instant::now();
             let oldest = batch.iter().map(|p| p.queued).min().map_or(0, |q| (started - q).as_micros());
-            let results = run_batch(&self.pool, &rows).await;
+            let results = run_batch(&self.pool, &rows, &releases).await;
             tracing::trace!(
                 saves = rows.len(),
                 waited_us = oldest,
@@ -404,16 +438,18 @@ impl Drop for RunnerPlace {
 /// nothing), runs each again on its own, so only the failing save gets the
 /// error. A lost connection fails them all: whether the statement
 /// committed is not known, and each caller reads the store again.
-async fn run_batch(pool: &PgPool, rows: &[&[SaveValue]]) -> Vec<Reply> {
-    match execute(pool, rows).await {
+async fn run_batch(pool: &PgPool, rows: &[&[SaveValue]], releases: &[Option<&str>]) -> Vec<Reply> {
+    match execute(pool, rows, releases).await {
         Ok(saved) => saved.into_iter().map(Ok).collect(),
         Err(e) if rows.len() > 1 && refused(&e) => {
             let mut each = Vec::with_capacity(rows.len());
-            for row in rows {
-                each.push(match execute(pool, std::slice::from_ref(row)).await {
-                    Ok(saved) => Ok(saved[0]),
-                    Err(e) => Err(e.into()),
-                });
+            for (row, release) in rows.iter().zip(releases) {
+                each.push(
+                    match execute(pool, std::slice::from_ref(row), std::slice::from_ref(release)).await {
+                        Ok(saved) => Ok(saved[0]),
+                        Err(e) => Err(e.into()),
+                    },
+                );
             }
             each
         }
@@ -445,36 +481,43 @@ fn refused(e: &sqlx::Error) -> bool {
     }
 }
 
-/// Runs `rows` as one statement: whether each took. Makes the function on
-/// a connection that has none yet, and runs the statement again.
-async fn execute(pool: &PgPool, rows: &[&[SaveValue]]) -> Result<Vec<bool>, sqlx::Error> {
-    let batch = batch_json(rows);
-    let carries = carries(rows);
+/// Runs `rows` as one statement: whether each took, and whether the lease
+/// each names in `releases` went with it. Makes the function on a
+/// connection that has none yet, and runs the statement again.
+async fn execute(
+    pool: &PgPool,
+    rows: &[&[SaveValue]],
+    releases: &[Option<&str>],
+) -> Result<Vec<(bool, bool)>, sqlx::Error> {
+    let batch = batch_json(rows, releases);
+    let carries = carries(rows) | if releases.iter().any(Option::is_some) { RELEASE } else { 0 };
+    let run = || sqlx::query_as::<_, (i64, bool)>(BATCH).bind(&batch).bind(carries);
     let mut conn = pool.acquire().await?;
-    let returned =
-        match sqlx::query_scalar::<_, i64>(BATCH).bind(&batch).bind(carries).fetch_all(&mut *conn).await {
-            Err(sqlx::Error::Database(e)) if crate::store::db::is_missing_temp_function(e.as_ref()) => {
-                sqlx::raw_sql(sqlx::AssertSqlSafe(setup())).execute(&mut *conn).await?;
-                sqlx::query_scalar::<_, i64>(BATCH).bind(&batch).bind(carries).fetch_all(&mut *conn).await?
-            }
-            other => other?,
-        };
-    let mut saved = vec![false; rows.len()];
-    for seq in returned {
+    let returned = match run().fetch_all(&mut *conn).await {
+        Err(sqlx::Error::Database(e)) if crate::store::db::is_missing_temp_function(e.as_ref()) => {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(setup())).execute(&mut *conn).await?;
+            run().fetch_all(&mut *conn).await?
+        }
+        other => other?,
+    };
+    let mut saved = vec![(false, false); rows.len()];
+    for (seq, gave_up) in returned {
         if let Some(s) = usize::try_from(seq).ok().and_then(|i| saved.get_mut(i)) {
-            *s = true;
+            *s = (true, gave_up);
         }
     }
     Ok(saved)
 }
 
 /// The batch as the function reads it: an array of objects named by
-/// `SAVE_COLUMNS`, each with its place.
-fn batch_json(rows: &[&[SaveValue]]) -> String {
+/// `SAVE_COLUMNS`, each with its place, and the owner of the lease to give
+/// up with it, where there is one.
+fn batch_json(rows: &[&[SaveValue]], releases: &[Option<&str>]) -> String {
     let batch: Vec<Value> = rows
         .iter()
+        .zip(releases.iter().chain(std::iter::repeat(&None)))
         .enumerate()
-        .map(|(seq, row)| {
+        .map(|(seq, (row, release))| {
             let mut o = Map::with_capacity(SAVE_COLUMNS.len());
             for ((column, ty), v) in SAVE_COLUMNS.iter().zip(TYPES).zip(row.iter()) {
                 let v = match v {
@@ -485,6 +528,9 @@ fn batch_json(rows: &[&[SaveValue]]) -> String {
                 o.insert((*column).to_owned(), v);
             }
             o.insert("seq".to_owned(), Value::from(seq));
+            if let Some(owner) = release {
+                o.insert("release_owner".to_owned(), Value::from(*owner));
+            }
             Value::Object(o)
         })
         .collect();
@@ -540,14 +586,102 @@ mod tests {
         };
         let rows = five();
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
-        let outcomes: Vec<Result<bool, String>> =
-            run_batch(&pool, &refs).await.into_iter().map(|r| r.map_err(|e| e.to_string())).collect();
+        let outcomes: Vec<Result<bool, String>> = run_batch(&pool, &refs, &[None; 5])
+            .await
+            .into_iter()
+            .map(|r| r.map(|(saved, _)| saved).map_err(|e| e.to_string()))
+            .collect();
         let ops: Vec<(String, i64, Option<String>)> =
             sqlx::query_as("SELECT id, version, last_error FROM operations WHERE id <> 'x' ORDER BY id")
                 .fetch_all(&pool)
                 .await
                 .expect("reads");
         assert_isolated(&outcomes, "operations_decision", &ops, &calls(&pool).await);
+        db.drop().await;
+    }
+
+    // A save that ends its holder's visit gives the thread's lease up with
+    // it only when nothing is left on the thread: no step due, now or
+    // later (its own or another operation's), no answer waiting; only its
+    // holder's lease, and only if the save took (decisions §34).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_save_gives_up_its_threads_lease_only_when_nothing_is_left() {
+        let Some((db, _store, pool)) = pg("a_save_gives_up_its_threads_lease").await else {
+            return;
+        };
+        let later = i64::MAX / 2;
+        // Threads b and c have another operation with work; e is a thread
+        // of its own.
+        for (id, thread, due_at, inbox_at) in
+            [("b2", "b", Some(later), None), ("c2", "c", None, Some(3)), ("e", "e", None, None)]
+        {
+            sqlx::query(
+                "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+                 decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, \
+                 created_at, updated_at, due_at, inbox_at) \
+                 VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', '{}', '{}', 'pending', 'dec-' || $1, $1, 9, \
+                 1, 1, $3, $4)",
+            )
+            .bind(id)
+            .bind(thread)
+            .bind(due_at)
+            .bind(inbox_at)
+            .execute(&pool)
+            .await
+            .expect("inserts");
+        }
+        for thread in ["a", "b", "c", "d", "e", "x"] {
+            sqlx::query(
+                "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', $1, $2, $3)",
+            )
+            .bind(thread)
+            .bind(format!("w-{thread}"))
+            .bind(later)
+            .execute(&pool)
+            .await
+            .expect("leases");
+        }
+        let mut leaves_a_step = row("d", 0, None);
+        leaves_a_step[14] = SaveValue::Int(Some(later));
+        let rows = [
+            row("a", 0, None),
+            row("b", 0, None),
+            row("c", 0, None),
+            leaves_a_step,
+            row("e", 0, None),
+            row("x", 7, None),
+        ];
+        let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
+        let releases =
+            [Some("w-a"), Some("w-b"), Some("w-c"), Some("w-d"), Some("someone-else"), Some("w-x")];
+        let saved = execute(&pool, &refs, &releases).await.expect("runs");
+        assert_eq!(
+            saved,
+            vec![(true, true), (true, false), (true, false), (true, false), (true, false), (false, false)],
+            "a: nothing left; b, c: another operation has work; d: its own step later; \
+             e: another's lease; x: the save did not take"
+        );
+        let leases: Vec<String> = sqlx::query_scalar("SELECT thread_id FROM thread_leases ORDER BY 1")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+        assert_eq!(leases, ["b", "c", "d", "e", "x"]);
+        // Without an owner to give up, no lease goes, though nothing is left.
+        sqlx::query(
+            "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'a', 'w-a', $1)",
+        )
+        .bind(later)
+        .execute(&pool)
+        .await
+        .expect("leases again");
+        let again = [row("a", 1, None)];
+        let refs: Vec<&[SaveValue]> = again.iter().map(Vec::as_slice).collect();
+        assert_eq!(execute(&pool, &refs, &[None]).await.expect("runs"), vec![(true, false)]);
+        let held: i64 = sqlx::query_scalar("SELECT count(*) FROM thread_leases WHERE thread_id = 'a'")
+            .fetch_one(&pool)
+            .await
+            .expect("reads");
+        assert_eq!(held, 1);
         db.drop().await;
     }
 
@@ -560,8 +694,8 @@ mod tests {
         };
         let rows = [row("a", 0, None), row("a", 0, None), row("c", 0, None)];
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
-        let saved = execute(&pool, &refs).await.expect("runs");
-        assert_eq!(saved, vec![true, false, true]);
+        let saved = execute(&pool, &refs, &[None; 3]).await.expect("runs");
+        assert_eq!(saved, vec![(true, false), (false, false), (true, false)]);
         assert_eq!(calls(&pool).await, vec![("a".into(), 2), ("c".into(), 1)]);
         db.drop().await;
     }
@@ -593,7 +727,9 @@ mod tests {
             carrying("c", 0, &["expired", "archived", "gone"]),
         ];
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
-        assert_eq!(execute(&pool, &refs).await.expect("runs"), vec![true, false, true, true]);
+        let saved: Vec<bool> =
+            execute(&pool, &refs, &[None; 4]).await.expect("runs").into_iter().map(|s| s.0).collect();
+        assert_eq!(saved, vec![true, false, true, true]);
         let transitions: Vec<(String, String)> =
             sqlx::query_as("SELECT operation_id, to_state FROM transitions ORDER BY id")
                 .fetch_all(&pool)
@@ -661,7 +797,8 @@ mod tests {
         for id in ["a", "b", "c", "d"] {
             for _ in 0..8 {
                 let queue = Arc::clone(&queue);
-                callers.spawn(async move { (id, queue.save(row(id, 0, None)).await.expect("saves")) });
+                callers
+                    .spawn(async move { (id, queue.save(row(id, 0, None), None).await.expect("saves").0) });
             }
         }
         let mut won: Vec<&str> =
@@ -769,6 +906,7 @@ mod tests {
             waiting.running = 1;
             waiting.saves.push_back(Pending {
                 values: test_rows::row("a", 0, None),
+                release: None,
                 reply,
                 queued: std::time::Instant::now(),
             });
@@ -802,12 +940,14 @@ mod tests {
         row[19] = SaveValue::Int(Some(3)); // version
         row[21] = SaveValue::Int(Some(1)); // clear_inbox_at
         row[27] = SaveValue::Int(Some(0)); // release_next
-        let json: Value = serde_json::from_str(&batch_json(&[&row, &row])).expect("JSON");
+        let json: Value =
+            serde_json::from_str(&batch_json(&[&row, &row], &[None, Some("w-1")])).expect("JSON");
         assert_eq!(json[1]["id"], "op-1");
         assert_eq!(json[1]["version"], 3);
         assert_eq!(json[1]["clear_inbox_at"], true);
         assert_eq!(json[1]["release_next"], false);
         assert_eq!(json[1]["state"], Value::Null);
         assert_eq!((json[0]["seq"].clone(), json[1]["seq"].clone()), (Value::from(0), Value::from(1)));
+        assert_eq!((json[0].get("release_owner"), &json[1]["release_owner"]), (None, &Value::from("w-1")));
     }
 }
