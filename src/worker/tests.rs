@@ -238,21 +238,25 @@ async fn pg_due_finished_at(pool: &sqlx::PgPool, ops: &[(&str, &str)], at: i64) 
     }
 }
 
-/// Visits `thread` as a worker does, lease first: how the visit ended
-/// (whether the lease was given up) and whether a save gave it up.
-async fn visit_leased(engine: &Engine, thread: &str) -> (bool, bool) {
+/// Visits `thread` as a worker does, lease first, with a read of the
+/// store for work (which the lease hides the thread from) begun after
+/// that first read: how the visit ended (whether the lease was given up),
+/// whether a save gave it up, and what letting the thread go asks for.
+async fn visit_leased(engine: &Engine, thread: &str) -> (bool, bool, Missed) {
     let claim = engine.claims.take(key(thread)).expect("free");
     let owner = format!("test-{thread}");
     let now = now_ms();
     let first =
         engine.store.take_thread("t", thread, &owner, now, now + 30_000).await.expect("store").expect("free");
+    engine.claims.hidden_from_read();
     let visit = super::Visit { lease_owner: Some(owner.clone()), ..super::Visit::default() };
-    super::VISIT
+    let (given_up, by_save) = super::VISIT
         .scope(std::cell::RefCell::new(visit), async {
             let given_up = engine.work_thread(&claim, &owner, true, Some(first)).await.expect("visits");
             (given_up, super::VISIT.with(|v| v.borrow().gave_up))
         })
-        .await
+        .await;
+    (given_up, by_save, claim.release().1)
 }
 
 async fn leases(pool: &sqlx::PgPool) -> Vec<String> {
@@ -261,6 +265,8 @@ async fn leases(pool: &sqlx::PgPool) -> Vec<String> {
 
 // The save that finishes the last work of a thread gives its lease up,
 // and the visit ends there: no read of the thread after it (decisions §34).
+// The save is the visit's last look at the thread, and counts as one for
+// the reads of the store its lease hid the thread from.
 #[tokio::test]
 async fn a_visit_ends_with_the_save_that_finishes_its_thread() {
     let Some(db) = ScratchPg::create("worker::tests::a_visit_ends_with_the_save_that_finishes").await else {
@@ -269,7 +275,9 @@ async fn a_visit_ends_with_the_save_that_finishes_its_thread() {
     let pool = db.store.pg_pool().expect("PostgreSQL").clone();
     pg_due_finished_at(&pool, &[("op-1", "done")], 1).await;
     let engine = engine(db.store.clone());
-    assert_eq!(visit_leased(&engine, "done").await, (true, true), "given up by the save");
+    // The save's look at the thread began after the store's read: it saw
+    // what that read could, and nothing is asked for.
+    assert_eq!(visit_leased(&engine, "done").await, (true, true, Missed::Nothing), "given up by the save");
     assert!(leases(&pool).await.is_empty());
     let due: Option<i64> = sqlx::query_scalar("SELECT due_at FROM operations WHERE id = 'op-1'")
         .fetch_one(&pool)
@@ -292,7 +300,7 @@ async fn a_save_leaves_the_lease_to_the_read_when_the_thread_has_a_step_later() 
     pg_due_finished_at(&pool, &[("op-1", "busy")], 1).await;
     pg_due_finished_at(&pool, &[("op-2", "busy")], later).await;
     let engine = engine(db.store.clone());
-    assert_eq!(visit_leased(&engine, "busy").await, (true, false), "given up by the read");
+    assert_eq!(visit_leased(&engine, "busy").await, (true, false, Missed::Nothing), "given up by the read");
     assert!(leases(&pool).await.is_empty());
     assert_eq!(engine.schedule_lock().iter().copied().collect::<Vec<_>>(), [later], "kept for the keeper");
     drop(engine);
