@@ -508,9 +508,12 @@ impl Engine {
                     (self.store.next_work_for_thread(tenant, thread, now).await?, false)
                 }
             };
-            if leased {
-                // The step's save may be the visit's last read, giving up
-                // the lease (`lease_to_give_up`): it begins after this.
+            if leased && matches!(work, Some(ThreadWork::Answer(..) | ThreadWork::Due(_))) {
+                // The step's save may be the visit's last look at the thread,
+                // giving up the lease (`lease_to_give_up`), and it begins
+                // after this. Not when no step follows: the visit's last
+                // look was then its read, and a mark after it would pass
+                // over the store's reads begun during it.
                 claim.reading();
             }
             match work {
@@ -524,6 +527,9 @@ impl Engine {
                 }
                 None => return Ok(given_up),
             }
+        }
+        if VISIT.try_with(|v| v.borrow().gave_up).unwrap_or(false) {
+            return Ok(true);
         }
         // Saves on a held thread tell no one (`Store::save_held`); work
         // left at the bound is offered to the other workers and replicas.

@@ -306,3 +306,24 @@ async fn a_save_leaves_the_lease_to_the_read_when_the_thread_has_a_step_later() 
     drop(engine);
     db.drop().await;
 }
+
+// A visit whose last look at the thread was its first read (nothing was
+// due) has the store read again when it lets go: a read of the store for
+// work begun after that look may have been woken by work for this thread,
+// which the lease hid from it.
+#[tokio::test]
+async fn a_visit_that_finds_nothing_answers_a_store_read_begun_after_its_look() {
+    let Some(db) = ScratchPg::create("worker::tests::a_visit_that_finds_nothing_answers").await else {
+        return;
+    };
+    let pool = db.store.pg_pool().expect("PostgreSQL").clone();
+    pg_due_finished_at(&pool, &[("op-1", "idle")], now_ms() + 600_000).await;
+    let engine = engine(db.store.clone());
+    assert_eq!(
+        visit_leased(&engine, "idle").await,
+        (false, false, Missed::HiddenFromRead),
+        "released after the visit"
+    );
+    drop(engine);
+    db.drop().await;
+}

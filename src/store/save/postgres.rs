@@ -240,13 +240,18 @@ const BATCH: &str =
 /// that, a statement and a round trip of its own after the save, is not
 /// made. A thread with anything left keeps its lease, and its holder
 /// reads its work as before. (The leases' table is unlogged; the delete
-/// rides in the save's durable commit.)
+/// rides in the save's durable commit.) Two arms, each read through its
+/// per-thread partial index (`operations_thread_due`,
+/// `operations_thread_inbox`), as the thread's read is: one test with an
+/// OR may be planned on a global index (`Store::thread_work`).
 const RELEASE_LEASE: &str = "WITH gone AS (DELETE FROM thread_leases l \
      USING jsonb_to_recordset(batch) AS x(seq bigint, tenant text, thread_id text, release_owner text) \
      WHERE x.seq = ANY(taken) AND x.release_owner IS NOT NULL AND l.tenant = x.tenant \
        AND l.thread_id = x.thread_id AND l.owner = x.release_owner \
        AND NOT EXISTS (SELECT 1 FROM operations o WHERE o.tenant = x.tenant AND o.thread_id = x.thread_id \
-         AND (o.due_at IS NOT NULL OR (o.inbox_at IS NOT NULL AND o.decision_id IS NOT NULL))) \
+         AND o.due_at IS NOT NULL) \
+       AND NOT EXISTS (SELECT 1 FROM operations o WHERE o.tenant = x.tenant AND o.thread_id = x.thread_id \
+         AND o.inbox_at IS NOT NULL AND o.decision_id IS NOT NULL) \
      RETURNING x.seq) \
    SELECT coalesce(array_agg(seq), '{}') INTO gave_up FROM gone; ";
 
@@ -611,26 +616,33 @@ mod tests {
         };
         let later = i64::MAX / 2;
         // Threads b and c have another operation with work; e is a thread
-        // of its own.
-        for (id, thread, due_at, inbox_at) in
-            [("b2", "b", Some(later), None), ("c2", "c", None, Some(3)), ("e", "e", None, None)]
-        {
+        // of its own; on f, f2's answer waits behind f's (held back: no
+        // step due until f finishes).
+        for (id, thread, state, due_at, inbox_at, resume_seq) in [
+            ("b2", "b", "pending", Some(later), None, None),
+            ("c2", "c", "pending", None, Some(3), None),
+            ("e", "e", "pending", None, None, None),
+            ("f", "f", "delivering", None, None, Some(1)),
+            ("f2", "f", "answered", None, None, Some(2)),
+        ] {
             sqlx::query(
                 "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
                  decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, \
-                 created_at, updated_at, due_at, inbox_at) \
-                 VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', '{}', '{}', 'pending', 'dec-' || $1, $1, 9, \
-                 1, 1, $3, $4)",
+                 created_at, updated_at, due_at, inbox_at, resume_seq) \
+                 VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', '{}', '{}', $3, 'dec-' || $1, $1, 9, \
+                 1, 1, $4, $5, $6)",
             )
             .bind(id)
             .bind(thread)
+            .bind(state)
             .bind(due_at)
             .bind(inbox_at)
+            .bind(resume_seq)
             .execute(&pool)
             .await
             .expect("inserts");
         }
-        for thread in ["a", "b", "c", "d", "e", "x"] {
+        for thread in ["a", "b", "c", "d", "e", "f", "x"] {
             sqlx::query(
                 "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', $1, $2, $3)",
             )
@@ -643,29 +655,50 @@ mod tests {
         }
         let mut leaves_a_step = row("d", 0, None);
         leaves_a_step[14] = SaveValue::Int(Some(later));
+        // f finishes: its save lets f2's answer go (`release_next`), which
+        // makes a step due on the thread before the lease is looked at.
+        let mut finishes_f = row("f", 0, Some("dec-f"));
+        finishes_f[20] = SaveValue::Int(Some(1));
+        finishes_f[27] = SaveValue::Int(Some(1));
         let rows = [
             row("a", 0, None),
             row("b", 0, None),
             row("c", 0, None),
             leaves_a_step,
             row("e", 0, None),
+            finishes_f,
             row("x", 7, None),
         ];
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
-        let releases =
-            [Some("w-a"), Some("w-b"), Some("w-c"), Some("w-d"), Some("someone-else"), Some("w-x")];
+        let releases = [
+            Some("w-a"),
+            Some("w-b"),
+            Some("w-c"),
+            Some("w-d"),
+            Some("someone-else"),
+            Some("w-f"),
+            Some("w-x"),
+        ];
         let saved = execute(&pool, &refs, &releases).await.expect("runs");
+        let given_up: Vec<bool> = saved.iter().map(|s| s.1).collect();
         assert_eq!(
-            saved,
-            vec![(true, true), (true, false), (true, false), (true, false), (true, false), (false, false)],
+            given_up,
+            [true, false, false, false, false, false, false],
             "a: nothing left; b, c: another operation has work; d: its own step later; \
-             e: another's lease; x: the save did not take"
+             e: another's lease; f: the answer it let go; x: the save did not take"
         );
+        let took: Vec<bool> = saved.iter().map(|s| s.0).collect();
+        assert_eq!(took, [true, true, true, true, true, true, false]);
         let leases: Vec<String> = sqlx::query_scalar("SELECT thread_id FROM thread_leases ORDER BY 1")
             .fetch_all(&pool)
             .await
             .expect("reads");
-        assert_eq!(leases, ["b", "c", "d", "e", "x"]);
+        assert_eq!(leases, ["b", "c", "d", "e", "f", "x"]);
+        let f2_due: Option<i64> = sqlx::query_scalar("SELECT due_at FROM operations WHERE id = 'f2'")
+            .fetch_one(&pool)
+            .await
+            .expect("reads");
+        assert_eq!(f2_due, Some(2), "f2's answer was let go by f's save");
         // Without an owner to give up, no lease goes, though nothing is left.
         sqlx::query(
             "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'a', 'w-a', $1)",
@@ -682,6 +715,73 @@ mod tests {
             .await
             .expect("reads");
         assert_eq!(held, 1);
+        db.drop().await;
+    }
+
+    // Through the queue (batches sorted by operation, a refused batch run
+    // again save by save), each save's lease stays paired with its save:
+    // 24 saves from as many callers at once share batches (at most
+    // `RUNNERS` run at a time), every third thread has another step due,
+    // and one save breaks the unique decision id (x holds dec-1).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queued_saves_give_up_their_own_leases() {
+        let Some((db, store, pool)) = pg("queued_saves_give_up_their_own_leases").await else {
+            return;
+        };
+        let threads: Vec<String> = (0..24).map(|i| format!("q{i:02}")).collect();
+        for (i, thread) in threads.iter().enumerate() {
+            for (id, due_at) in [(thread.clone(), None), (format!("{thread}-next"), Some(5))] {
+                if due_at.is_some() && i % 3 != 0 {
+                    continue;
+                }
+                sqlx::query(
+                    "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, \
+                     effect, decision_type, spec, decision_request, state, idempotency_key, deadline, created_at, \
+                     updated_at, due_at) \
+                     VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', '{}', '{}', 'pending', $1, 9, 1, 1, $3)",
+                )
+                .bind(&id)
+                .bind(thread)
+                .bind(due_at)
+                .execute(&pool)
+                .await
+                .expect("inserts");
+            }
+            sqlx::query(
+                "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', $1, $2, 9)",
+            )
+            .bind(thread)
+            .bind(format!("w-{thread}"))
+            .execute(&pool)
+            .await
+            .expect("leases");
+        }
+        let queue = store.pg_saves.clone().expect("a PostgreSQL store has a save queue");
+        let mut callers = tokio::task::JoinSet::new();
+        // In reverse order of id, so each batch's sort moves its saves.
+        for (i, thread) in threads.iter().enumerate().rev() {
+            let (queue, thread) = (Arc::clone(&queue), thread.clone());
+            callers.spawn(async move {
+                let values = row(&thread, 0, (i == 7).then_some("dec-1"));
+                let saved = queue.save(values, Some(&format!("w-{thread}"))).await;
+                (i, saved.map_err(|e| e.to_string()))
+            });
+        }
+        let mut outcomes = callers.join_all().await;
+        outcomes.sort_by_key(|(i, _)| *i);
+        for (i, outcome) in outcomes {
+            match i {
+                7 => assert!(outcome.is_err(), "{outcome:?}"),
+                i => assert_eq!(outcome, Ok((true, i % 3 != 0)), "save {i}"),
+            }
+        }
+        let leases: Vec<String> = sqlx::query_scalar("SELECT thread_id FROM thread_leases ORDER BY 1")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+        let kept: Vec<&String> =
+            threads.iter().enumerate().filter(|(i, _)| i % 3 == 0 || *i == 7).map(|(_, t)| t).collect();
+        assert_eq!(leases.iter().collect::<Vec<_>>(), kept, "the failed save's, and those with a step due");
         db.drop().await;
     }
 
