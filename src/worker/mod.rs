@@ -74,6 +74,11 @@ fn gave_up_lease() {
     let _ = VISIT.try_with(|v| v.borrow_mut().gave_up = true);
 }
 
+/// Whether a save of this visit gave up its lease.
+fn visit_gave_up() -> bool {
+    VISIT.try_with(|v| v.borrow().gave_up).unwrap_or(false)
+}
+
 /// Timings and switches the engine takes from configuration.
 #[derive(Debug, Clone)]
 pub struct EngineSettings {
@@ -475,9 +480,6 @@ impl Engine {
         let mut renewed = now_ms();
         // Bounded, so one busy thread cannot starve the others.
         for _ in 0..64 {
-            if VISIT.try_with(|v| v.borrow().gave_up).unwrap_or(false) {
-                return Ok(true);
-            }
             let now = now_ms();
             if leased && now - renewed >= self.settings.lease_ms / 3 {
                 if !self.store.renew_lease(tenant, thread, owner, now + self.settings.lease_ms).await? {
@@ -527,9 +529,9 @@ impl Engine {
                 }
                 None => return Ok(given_up),
             }
-        }
-        if VISIT.try_with(|v| v.borrow().gave_up).unwrap_or(false) {
-            return Ok(true);
+            if visit_gave_up() {
+                return Ok(true);
+            }
         }
         // Saves on a held thread tell no one (`Store::save_held`); work
         // left at the bound is offered to the other workers and replicas.

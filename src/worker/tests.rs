@@ -259,6 +259,18 @@ async fn visit_leased(engine: &Engine, thread: &str) -> (bool, bool, Missed) {
     (given_up, by_save, claim.release().1)
 }
 
+/// A scratch PostgreSQL store for `test` with finished operations
+/// `(id, thread, due_at)`, and an engine on it; None without a server.
+async fn pg_engine(test: &str, ops: &[(&str, &str, i64)]) -> Option<(ScratchPg, sqlx::PgPool, Engine)> {
+    let db = ScratchPg::create(test).await?;
+    let pool = db.store.pg_pool().expect("PostgreSQL").clone();
+    for (id, thread, at) in ops {
+        pg_due_finished_at(&pool, &[(id, thread)], *at).await;
+    }
+    let engine = engine(db.store.clone());
+    Some((db, pool, engine))
+}
+
 async fn leases(pool: &sqlx::PgPool) -> Vec<String> {
     sqlx::query_scalar("SELECT thread_id FROM thread_leases ORDER BY 1").fetch_all(pool).await.expect("reads")
 }
@@ -269,12 +281,11 @@ async fn leases(pool: &sqlx::PgPool) -> Vec<String> {
 // the reads of the store its lease hid the thread from.
 #[tokio::test]
 async fn a_visit_ends_with_the_save_that_finishes_its_thread() {
-    let Some(db) = ScratchPg::create("worker::tests::a_visit_ends_with_the_save_that_finishes").await else {
+    let Some((db, pool, engine)) =
+        pg_engine("worker::tests::a_visit_ends_with_the_save_that_finishes", &[("op-1", "done", 1)]).await
+    else {
         return;
     };
-    let pool = db.store.pg_pool().expect("PostgreSQL").clone();
-    pg_due_finished_at(&pool, &[("op-1", "done")], 1).await;
-    let engine = engine(db.store.clone());
     // The save's look at the thread began after the store's read: it saw
     // what that read could, and nothing is asked for.
     assert_eq!(visit_leased(&engine, "done").await, (true, true, Missed::Nothing), "given up by the save");
@@ -292,14 +303,13 @@ async fn a_visit_ends_with_the_save_that_finishes_its_thread() {
 // the visit's last read gives it up and hands the step to the keeper.
 #[tokio::test]
 async fn a_save_leaves_the_lease_to_the_read_when_the_thread_has_a_step_later() {
-    let Some(db) = ScratchPg::create("worker::tests::a_save_leaves_the_lease_to_the_read").await else {
+    let later = now_ms() + 600_000;
+    let ops = [("op-1", "busy", 1), ("op-2", "busy", later)];
+    let Some((db, pool, engine)) =
+        pg_engine("worker::tests::a_save_leaves_the_lease_to_the_read", &ops).await
+    else {
         return;
     };
-    let pool = db.store.pg_pool().expect("PostgreSQL").clone();
-    let later = now_ms() + 600_000;
-    pg_due_finished_at(&pool, &[("op-1", "busy")], 1).await;
-    pg_due_finished_at(&pool, &[("op-2", "busy")], later).await;
-    let engine = engine(db.store.clone());
     assert_eq!(visit_leased(&engine, "busy").await, (true, false, Missed::Nothing), "given up by the read");
     assert!(leases(&pool).await.is_empty());
     assert_eq!(engine.schedule_lock().iter().copied().collect::<Vec<_>>(), [later], "kept for the keeper");
@@ -313,12 +323,12 @@ async fn a_save_leaves_the_lease_to_the_read_when_the_thread_has_a_step_later() 
 // which the lease hid from it.
 #[tokio::test]
 async fn a_visit_that_finds_nothing_answers_a_store_read_begun_after_its_look() {
-    let Some(db) = ScratchPg::create("worker::tests::a_visit_that_finds_nothing_answers").await else {
+    let ops = [("op-1", "idle", now_ms() + 600_000)];
+    let Some((db, _pool, engine)) =
+        pg_engine("worker::tests::a_visit_that_finds_nothing_answers", &ops).await
+    else {
         return;
     };
-    let pool = db.store.pg_pool().expect("PostgreSQL").clone();
-    pg_due_finished_at(&pool, &[("op-1", "idle")], now_ms() + 600_000).await;
-    let engine = engine(db.store.clone());
     assert_eq!(
         visit_leased(&engine, "idle").await,
         (false, false, Missed::HiddenFromRead),
