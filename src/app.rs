@@ -110,8 +110,9 @@ impl Application {
             Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())).with_metrics(metrics),
         );
         let wake = Arc::clone(&engine);
-        let inbox =
-            crate::store::InboxWriter::start(engine.store().clone(), move |threads| wake.offer(threads));
+        let inbox = crate::store::InboxWriter::start(engine.store().clone(), move |threads, answers| {
+            wake.stored(threads, answers)
+        });
         let state = AppState::new(api::Shared {
             inbox,
             callback_slots: Arc::new(tokio::sync::Semaphore::new(config.server.max_concurrent_callbacks)),

@@ -262,6 +262,11 @@ pub struct BatchInsert {
     /// PostgreSQL: the rows stored that marked no operation, for
     /// `mark_stored_unmarked` once they are acknowledged.
     pub unmarked: Vec<i64>,
+    /// PostgreSQL: answers stored for pending operations, each with its
+    /// operation as marked, one per thread of the batch at most: a worker
+    /// applies such an answer at once, taking the thread's lease with its
+    /// first save (`TakeLease`, decisions §35).
+    pub answers: Vec<(InboxEntry, Operation)>,
 }
 
 /// Stores the rows of `v` (but its padding) that are not repeats of an
@@ -382,14 +387,38 @@ fn build_inbox_insert_text(rows: usize, insert: &str) -> String {
     // every callback's way to its acknowledgement.
     sql.push_str("), ins AS (");
     sql.push_str(insert);
+    // The marked operation comes back whole, as the mark left it (the
+    // latest version: an UPDATE reads the row it locks), so its answer can
+    // be handed to a worker with it (decisions §35).
+    let marked: Vec<String> = op_cols!().split(',').map(|c| format!("o.{}", c.trim())).collect();
     sql.push_str(&format!(
         "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
          AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
-         RETURNING o.tenant, o.decision_id, o.thread_id) SELECT ins.id, ins.tenant, ins.correlation_id, \
-         m.thread_id FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
-        rows * 8 + 1
+         RETURNING {}) SELECT ins.id AS inbox_id, ins.tenant AS inbox_tenant, \
+         ins.correlation_id AS inbox_correlation_id, m.* \
+         FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
+        rows * 8 + 1,
+        marked.join(", ")
     ));
     sql
+}
+
+/// The inbox row `id` as the batch stored it from `e`.
+fn stored_entry(e: &OwnedInboxEntry, id: i64) -> InboxEntry {
+    InboxEntry {
+        id,
+        tenant: e.tenant.clone(),
+        correlation_id: e.correlation_id.clone(),
+        answer: e.answer.clone(),
+        answered_at: e.answered_at.clone(),
+        source: e.source.to_owned(),
+        state: "new".to_owned(),
+        received_at: e.received_at,
+        duplicates: 0,
+        operation_id: None,
+        processed_at: None,
+        note: None,
+    }
 }
 
 pub(super) fn record_stored(
@@ -1095,17 +1124,40 @@ impl Store {
             }
             r => r?,
         };
+        let mut answers: Vec<(InboxEntry, Operation)> = Vec::new();
         for row in stored_rows {
-            let tenant: &str = row.try_get("tenant")?;
-            let id = row.try_get("id")?;
+            let tenant: &str = row.try_get("inbox_tenant")?;
+            let id = row.try_get("inbox_id")?;
+            let correlation_id: &str = row.try_get("inbox_correlation_id")?;
             match row.try_get::<Option<String>, _>("thread_id")? {
-                Some(thread) => threads.push((tenant.to_string(), thread)),
+                Some(thread) => {
+                    threads.push((tenant.to_string(), thread));
+                    // The batch is committed: an operation that will not
+                    // read is left to the worker's read of its thread, which
+                    // reports it, not made the callbacks' error.
+                    if let Some(&i) = first.get(&(tenant, correlation_id))
+                        && let Ok(op) = Operation::from_row(&row)
+                        && op.state == crate::domain::state::State::Pending
+                    {
+                        answers.push((stored_entry(&entries[i], id), op));
+                    }
+                }
                 None => unmarked.push(id),
             }
-            record_stored(&first, &mut stored, tenant, row.try_get("correlation_id")?, id);
+            record_stored(&first, &mut stored, tenant, correlation_id, id);
         }
+        // An answer is handed on only if it is its thread's one in the
+        // batch: of several, the worker must take the first by arrival,
+        // which its read of the thread finds.
+        answers.retain(|(_, op)| {
+            threads.iter().filter(|(t, th)| *t == op.tenant && *th == op.thread_id).count() == 1
+        });
         let mut done = match stored.iter().copied().collect::<Option<Vec<i64>>>() {
-            Some(ids) => self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads),
+            Some(ids) => {
+                let mut done = self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads);
+                done.answers = answers;
+                done
+            }
             None => {
                 let mut tx = conn.begin().await?;
                 let results = inbox_repeats!(tx, entries, stored, now, threads);
@@ -1170,7 +1222,7 @@ impl Store {
         if !threads.is_empty() {
             self.signal_work();
         }
-        BatchInsert { results, threads, unmarked: Vec::new() }
+        BatchInsert { results, threads, unmarked: Vec::new(), answers: Vec::new() }
     }
 
     pub async fn list_inbox(&self, state: Option<&str>, limit: i64) -> Result<Vec<InboxEntry>, StoreError> {
@@ -1925,6 +1977,73 @@ mod tests {
                 "{retry}"
             );
         }
+    }
+
+    // On PostgreSQL the inbox's statement hands on each answer stored for
+    // a pending operation with the operation as marked (decisions §35):
+    // not an answer for an operation already answered, nor one for a
+    // decision no operation has, nor one of two for one thread, whose
+    // order the worker's read of the thread decides.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_inbox_hands_on_each_threads_one_answer_with_its_operation() {
+        let Some(db) = super::test_support::ScratchPg::create("the_inbox_hands_on_answers").await else {
+            return;
+        };
+        let pool = db.store.pg_pool().expect("a PostgreSQL store").clone();
+        let body = serde_json::json!({"operationKey": "k", "threadId": "x", "interruptId": "i", "effect": "orders",
+            "externalId": "u", "question": "Proceed?", "toolName": "ship", "parameters": {}});
+        let limits = crate::domain::operation::Limits { max_expires_in_secs: 3600 };
+        let spec = crate::domain::operation::parse(&body, limits, 0).expect("a valid body");
+        let spec = serde_json::to_string(&spec).expect("serializes");
+        for (id, thread, state) in [
+            ("p1", "t1", "pending"),
+            ("p2", "t2", "pending"),
+            ("p3", "t2", "pending"),
+            ("p4", "t4", "answered"),
+        ] {
+            sqlx::query(
+                "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+                 decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, \
+                 created_at, updated_at) \
+                 VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', $4, '{}', $3, 'dec-' || $1, $1, 9, 1, 1)",
+            )
+            .bind(id)
+            .bind(thread)
+            .bind(state)
+            .bind(&spec)
+            .execute(&pool)
+            .await
+            .expect("inserts");
+        }
+        let entry = |decision: &str| crate::store::OwnedInboxEntry {
+            tenant: "t".into(),
+            correlation_id: decision.into(),
+            answer: "yes".into(),
+            answered_at: None,
+            body: decision.as_bytes().to_vec(),
+            source: "callback",
+            received_at: 7,
+        };
+        let entries: Vec<_> = ["dec-p1", "dec-p2", "dec-p3", "dec-p4", "dec-none"].map(entry).into();
+        let batch = db.store.insert_inbox_batch(&entries).await.expect("stores");
+        let threads: Vec<&str> = batch.threads.iter().map(|(_, t)| t.as_str()).collect();
+        assert_eq!(threads, ["t1", "t2", "t4"]);
+        assert_eq!(batch.answers.len(), 1, "{:?}", batch.answers);
+        let (handed, op) = &batch.answers[0];
+        let stored = match batch.results[0] {
+            crate::store::InboxInsert::Stored(id) => id,
+            ref other => panic!("stored, not {other:?}"),
+        };
+        assert_eq!(
+            (handed.id, handed.correlation_id.as_str(), handed.state.as_str()),
+            (stored, "dec-p1", "new")
+        );
+        assert_eq!(
+            (op.id.as_str(), op.thread_id.as_str(), op.version),
+            ("p1", "t1", 0),
+            "the operation as marked"
+        );
+        db.drop().await;
     }
 
     #[tokio::test]

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 
-use super::{InboxInsert, Store, StoreError};
+use super::{InboxEntry, InboxInsert, Operation, Store, StoreError};
 
 /// Largest number of callbacks in one transaction.
 pub const MAX_BATCH: usize = 256;
@@ -37,8 +37,9 @@ pub struct OwnedInboxEntry {
     pub received_at: i64,
 }
 
-/// Told the threads whose operations now have an answer waiting.
-type OnStored = Arc<dyn Fn(&[(String, String)]) + Send + Sync>;
+/// Told the threads whose operations now have an answer waiting, and the
+/// answers handed on with their operations (`BatchInsert::answers`).
+type OnStored = Arc<dyn Fn(&[(String, String)], Vec<(InboxEntry, Operation)>) + Send + Sync>;
 
 type Job = (OwnedInboxEntry, oneshot::Sender<Result<InboxInsert, StoreError>>);
 
@@ -72,7 +73,7 @@ fn spawn_second_look(store: Store, on_stored: OnStored) -> mpsc::Sender<Vec<i64>
         while rx.recv_many(&mut queued, 64).await > 0 {
             let ids: Vec<i64> = queued.drain(..).flatten().collect();
             match store.mark_stored_unmarked(&ids).await {
-                Ok(threads) if !threads.is_empty() => on_stored(&threads),
+                Ok(threads) if !threads.is_empty() => on_stored(&threads, Vec::new()),
                 Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot look again for the operations of stored callbacks")
@@ -114,7 +115,7 @@ impl Committer {
     async fn commit(&self, jobs: &mut Vec<Job>) {
         let (entries, replies): (Vec<OwnedInboxEntry>, Vec<_>) = jobs.drain(..).unzip();
         match self.store.insert_inbox_batch(&entries).await {
-            Ok(batch) => {
+            Ok(mut batch) => {
                 // Committed, nothing acknowledged and no worker woken yet:
                 // a crash here leaves the callbacks to the next process
                 // (tests/it/crash.rs). Here rather than in the handler, so
@@ -122,7 +123,7 @@ impl Committer {
                 // the process dies.
                 crate::fault::point("after_inbox_commit");
                 if !batch.threads.is_empty() {
-                    (self.on_stored)(&batch.threads);
+                    (self.on_stored)(&batch.threads, std::mem::take(&mut batch.answers));
                 }
                 for (reply, r) in replies.into_iter().zip(batch.results) {
                     let _ = reply.send(Ok(r));
@@ -135,10 +136,10 @@ impl Committer {
                 tracing::warn!(error = %e, batch = entries.len(), "inbox batch failed; retrying singly");
                 for (entry, reply) in entries.into_iter().zip(replies) {
                     let mut r = self.store.insert_inbox_batch(std::slice::from_ref(&entry)).await;
-                    if let Ok(b) = &r
+                    if let Ok(b) = &mut r
                         && !b.threads.is_empty()
                     {
-                        (self.on_stored)(&b.threads);
+                        (self.on_stored)(&b.threads, std::mem::take(&mut b.answers));
                     }
                     let unmarked = r.as_mut().map(|b| std::mem::take(&mut b.unmarked)).unwrap_or_default();
                     let _ = reply.send(r.map(|mut b| b.results.remove(0)));
@@ -209,7 +210,10 @@ impl InboxWriter {
     /// after committing what was queued.
     /// `on_stored` gets the threads whose operations now have an answer
     /// waiting, after the commit that holds it.
-    pub fn start(store: Store, on_stored: impl Fn(&[(String, String)]) + Send + Sync + 'static) -> Self {
+    pub fn start(
+        store: Store,
+        on_stored: impl Fn(&[(String, String)], Vec<(InboxEntry, Operation)>) + Send + Sync + 'static,
+    ) -> Self {
         let (tx, rx) = mpsc::channel::<Job>(MAX_BATCH * 4);
         let rx: Queue = Arc::new(Mutex::new(rx));
         let on_stored: OnStored = Arc::new(on_stored);

@@ -21,6 +21,7 @@ pub use db::{BatchInsert, Store, ThreadWork};
 pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use insights::{Activity, OperatorFilter};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, PusharyCall, Transition};
+pub use save::{LeaseWith, TakeLease};
 pub use sqlite_group::WriterBusy;
 pub use work_signal::WORK_CHANNEL;
 

@@ -313,21 +313,22 @@ impl Store {
         transitions: &[Transition],
         inbox: Option<(i64, &str, Option<&str>)>,
     ) -> Result<bool, StoreError> {
-        self.save_held_releasing(op, transitions, inbox, None).await.map(|(saved, _)| saved)
+        self.save_held_releasing(op, transitions, inbox, LeaseWith::default()).await.map(|(saved, _)| saved)
     }
 
     /// `save_held`, which on PostgreSQL also gives up the thread's lease
     /// held by `release` (its owner) if, the save made, none of the
     /// thread's operations has a step due (now or later) or an answer
     /// waiting: what the visit's last read would have found before giving
-    /// it up (decisions §34). Returns whether the save took and whether the
+    /// it up (decisions §34); and takes the lease first, if `lease` says so
+    /// (`TakeLease`, §35). Returns whether the save took and whether the
     /// lease went; SQLite takes no lease rows (§14) and gives up none.
     pub async fn save_held_releasing(
         &self,
         op: &mut Operation,
         transitions: &[Transition],
         inbox: Option<(i64, &str, Option<&str>)>,
-        release: Option<&str>,
+        lease: LeaseWith<'_>,
     ) -> Result<(bool, bool), StoreError> {
         let (deliveries, calls) = unrecorded_json(op);
         let x = Extras {
@@ -344,7 +345,7 @@ impl Store {
         let (saved, released) = match &self.backend {
             Backend::Postgres(_) => {
                 let queue = self.pg_saves.as_ref().expect("a PostgreSQL store has a save queue");
-                queue.save(bind_all!(Values::default(), op, x).0, release).await?
+                queue.save(bind_all!(Values::default(), op, x).0, lease).await?
             }
             Backend::Sqlite(_) => {
                 let queue = self.sqlite_saves.as_ref().expect("a SQLite store has a save queue");
@@ -358,6 +359,38 @@ impl Store {
         }
         Ok((saved, released))
     }
+}
+
+/// What a worker's save does with its thread's lease, on PostgreSQL.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LeaseWith<'a> {
+    /// Give up the lease held by this owner if, the save made, nothing is
+    /// left on the thread (decisions §34).
+    pub release: Option<&'a str>,
+    /// Take the lease before the save, which is made only if it was.
+    pub take: Option<TakeLease<'a>>,
+}
+
+impl<'a> LeaseWith<'a> {
+    pub fn releasing(owner: Option<&'a str>) -> Self {
+        Self { release: owner, take: None }
+    }
+}
+
+/// The lease of the saved operation's thread, taken in the save's own
+/// transaction (decisions §35): by the first save of an answer handed to
+/// a worker with its operation by the inbox's statement, which is then
+/// made only if the thread was free (or its lease had run out), no other
+/// answer waits on the thread and no earlier answer of it still has
+/// resume work (held back). Refused, the save changes nothing and leaves
+/// no lease: it reports that it did not take, and the worker reads the
+/// thread as any visit does. Each check runs after the lease's insert,
+/// on a snapshot of its own, so it sees the last holder's saves.
+#[derive(Debug, Clone, Copy)]
+pub struct TakeLease<'a> {
+    pub owner: &'a str,
+    pub now: i64,
+    pub until: i64,
 }
 
 /// What the two engines' batch tests share: a save's values, and what a

@@ -27,7 +27,7 @@ use claims::{Claim, Claims, Missed, ThreadKey};
 use crate::clock::now_ms;
 use crate::config::Config;
 use crate::pushary::PusharyClient;
-use crate::store::{Operation, Store, StoreError, ThreadWork};
+use crate::store::{InboxEntry, Operation, Store, StoreError, ThreadWork};
 
 /// What a worker's visit to a thread carries from one step to the next.
 #[derive(Debug, Default)]
@@ -43,6 +43,10 @@ struct Visit {
     lease_owner: Option<String>,
     /// A save gave the lease up: the visit is over.
     gave_up: bool,
+    /// The visit's first save takes the lease (an answer handed on by the
+    /// inbox, decisions §35); it did if `took`.
+    taking: bool,
+    took: bool,
 }
 
 tokio::task_local! {
@@ -67,6 +71,23 @@ fn lease_to_give_up(op: &Operation) -> Option<String> {
         return None;
     }
     VISIT.try_with(|v| v.borrow().lease_owner.clone()).ok().flatten()
+}
+
+/// The owner of the lease the save about to be made must take first: the
+/// visit's first save of an answer handed on by the inbox. Asked once.
+fn lease_to_take() -> Option<String> {
+    VISIT
+        .try_with(|v| {
+            let mut v = v.borrow_mut();
+            if std::mem::take(&mut v.taking) { v.lease_owner.clone() } else { None }
+        })
+        .ok()
+        .flatten()
+}
+
+/// The save just made took the visit's lease.
+fn took_lease() {
+    let _ = VISIT.try_with(|v| v.borrow_mut().took = true);
 }
 
 /// The save just made gave up the visit's lease.
@@ -148,6 +169,10 @@ pub struct Engine {
     /// Threads with work, read from the store or named by whoever gave
     /// them work, not yet handed to a worker.
     candidates: std::sync::Mutex<VecDeque<ThreadKey>>,
+    /// Answers the inbox stored for pending operations, each with its
+    /// operation as marked, for the worker that takes the thread next
+    /// (PostgreSQL, decisions §35).
+    handed: std::sync::Mutex<HashMap<ThreadKey, (Box<InboxEntry>, Operation)>>,
     /// The store may hold work that no candidate names: a worker that
     /// runs out of candidates reads the store only then (decisions §33).
     unread: AtomicBool,
@@ -183,6 +208,7 @@ impl Engine {
             archived_last_sweep: std::sync::Mutex::default(),
             claims: Claims::default(),
             candidates: std::sync::Mutex::default(),
+            handed: std::sync::Mutex::default(),
             // Whatever was left in the store before this process started.
             unread: AtomicBool::new(true),
             workers_here: AtomicBool::new(false),
@@ -259,6 +285,28 @@ impl Engine {
         }
         drop(queue);
         self.wake.notify_one();
+    }
+
+    /// `offer` for the threads of answers just stored (`threads`), with the
+    /// answers the inbox handed on (`BatchInsert::answers`): the worker
+    /// that takes such a thread applies its answer at once, its first save
+    /// taking the thread's lease, where a visit takes the lease and reads
+    /// the thread's work first, a round trip on every answer's way to its
+    /// effect (decisions §35). A thread held meanwhile is named again when
+    /// let go, and its answer is then applied by the save's rules: a stale
+    /// one (the answer applied since) changes nothing.
+    pub fn stored(&self, threads: &[ThreadKey], answers: Vec<(InboxEntry, Operation)>) {
+        if !answers.is_empty() && self.workers_here.load(Ordering::SeqCst) {
+            let mut handed = self.handed_lock();
+            for (entry, op) in answers {
+                handed.insert((op.tenant.clone(), op.thread_id.clone()), (Box::new(entry), op));
+            }
+        }
+        self.offer(threads);
+    }
+
+    fn handed_lock(&self) -> std::sync::MutexGuard<'_, HashMap<ThreadKey, (Box<InboxEntry>, Operation)>> {
+        self.handed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<ThreadKey>> {
@@ -349,10 +397,43 @@ impl Engine {
             // SQLite serves one process (docs/decisions.md §13): the claim
             // is the whole lease, and two writes per visit are saved.
             let shared = self.store.is_postgres();
+            if more {
+                self.wake.notify_one();
+            }
+            let handed = if shared { self.handed_lock().remove(claim.key()) } else { None };
+            // An answer handed on: applied at once, its first save taking
+            // the lease; refused, the thread is taken as any other.
+            let mut carried = None;
+            if let Some((entry, op)) = handed {
+                let visit = Visit { lease_owner: Some(owner.clone()), taking: true, ..Visit::default() };
+                let first = VISIT
+                    .scope(RefCell::new(visit), async {
+                        let applied = self.apply_answer(*entry, op, false).await;
+                        applied.map(|()| VISIT.with(|v| std::mem::take(&mut *v.borrow_mut())))
+                    })
+                    .await;
+                match first {
+                    Ok(v) if v.took => carried = Some(v),
+                    // Its log's transitions were not saved; the visit below
+                    // logs what it does instead.
+                    Ok(_) => tracing::debug!(
+                        tenant,
+                        thread_id = thread,
+                        "the handed answer's save was refused; the thread is read instead"
+                    ),
+                    Err(e) => {
+                        // The save may have taken the lease before the
+                        // visit failed (as after `take_thread` below).
+                        let _ = self.store.release_lease(&tenant, &thread, &owner).await;
+                        self.let_go(claim);
+                        return Err(e);
+                    }
+                }
+            }
             let now = now_ms();
             // On PostgreSQL the lease and the first read of the thread's
             // work are one round trip.
-            let first = if shared {
+            let first = if shared && carried.is_none() {
                 match self
                     .store
                     .take_thread(&tenant, &thread, &owner, now, now + self.settings.lease_ms)
@@ -375,10 +456,21 @@ impl Engine {
             } else {
                 None
             };
-            if more {
-                self.wake.notify_one();
+            // The handed answer's visit goes on with what its saves left
+            // due, holding the lease they took, unless one gave it up.
+            let visit = match carried {
+                Some(v) => Visit {
+                    due_next: v.due_next,
+                    lease_owner: Some(owner.clone()),
+                    gave_up: v.gave_up,
+                    ..Visit::default()
+                },
+                None => Visit { lease_owner: shared.then(|| owner.clone()), ..Visit::default() },
+            };
+            if visit.gave_up {
+                self.let_go(claim);
+                return Ok(true);
             }
-            let visit = Visit { lease_owner: shared.then(|| owner.clone()), ..Visit::default() };
             let result =
                 VISIT.scope(RefCell::new(visit), self.work_thread(&claim, &owner, shared, first)).await;
             // Release even after an error, so the thread does not wait out

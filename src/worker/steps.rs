@@ -11,7 +11,7 @@ use crate::clock::now_ms;
 use crate::domain::answer::{self, Verdict};
 use crate::domain::state::{OutcomeStatus, State};
 use crate::pushary::PusharyError;
-use crate::store::{InboxEntry, Operation, StoreError, Transition};
+use crate::store::{InboxEntry, LeaseWith, Operation, StoreError, TakeLease, Transition};
 
 pub(crate) const ACTOR: &str = "worker";
 
@@ -90,7 +90,8 @@ impl Engine {
     /// due now, and a step scheduled for later is the tick keeper's, told
     /// here so it wakes for it. A save that finishes the operation gives
     /// up the thread's lease if nothing is left on the thread, and the
-    /// visit ends with it (`Store::save_held_releasing`).
+    /// visit ends with it (`Store::save_held_releasing`). The first save of
+    /// an answer handed on by the inbox takes the lease (`TakeLease`).
     async fn save(
         &self,
         op: &mut Operation,
@@ -98,8 +99,16 @@ impl Engine {
         inbox: Option<(i64, &str, Option<&str>)>,
     ) -> Result<bool, StoreError> {
         let release = super::lease_to_give_up(op);
-        let (saved, gave_up) =
-            self.store.save_held_releasing(op, transitions, inbox, release.as_deref()).await?;
+        let take = super::lease_to_take();
+        let now = now_ms();
+        let lease = LeaseWith {
+            release: release.as_deref(),
+            take: take.as_deref().map(|owner| TakeLease { owner, now, until: now + self.settings.lease_ms }),
+        };
+        let (saved, gave_up) = self.store.save_held_releasing(op, transitions, inbox, lease).await?;
+        if saved && take.is_some() {
+            super::took_lease();
+        }
         if gave_up {
             super::gave_up_lease();
         }

@@ -337,3 +337,76 @@ async fn a_visit_that_finds_nothing_answers_a_store_read_begun_after_its_look() 
     drop(engine);
     db.drop().await;
 }
+
+// An answer the inbox hands on with its operation (decisions §35) is
+// applied by a visit whose first save takes the thread's lease, without
+// the lease's own read: the handed answer is the one applied. With the
+// lease another's, the save is refused and changes nothing, and the
+// visit passes the thread by as any other visit would; handed on again
+// once its operation has moved, it is stale and changes nothing either.
+#[tokio::test]
+async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
+    let Some((db, pool, engine)) = pg_engine("worker::tests::an_answer_handed_on_is_applied", &[]).await
+    else {
+        return;
+    };
+    pg_due_finished_at(&pool, &[("op-1", "th")], 1).await;
+    // Pending on decision dec-1, its deadline passed: the answer expires
+    // it with one save, and no call leaves the process.
+    sqlx::query(
+        "UPDATE operations SET state = 'pending', due_at = NULL, decision_id = 'dec-1' WHERE id = 'op-1'",
+    )
+    .execute(&pool)
+    .await
+    .expect("pending");
+    sqlx::query(
+        "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'th', 'other', $1)",
+    )
+    .bind(i64::MAX / 2)
+    .execute(&pool)
+    .await
+    .expect("leased elsewhere");
+    let entry = crate::store::OwnedInboxEntry {
+        tenant: "t".into(),
+        correlation_id: "dec-1".into(),
+        answer: "stored".into(),
+        answered_at: None,
+        body: b"{}".to_vec(),
+        source: "callback",
+        received_at: now_ms(),
+    };
+    let mut batch = engine.store.insert_inbox_batch(&[entry]).await.expect("stores");
+    assert_eq!(batch.answers.len(), 1);
+    // Told apart from the stored answer, which a read of the thread finds.
+    batch.answers[0].0.answer = "handed".into();
+    let state = || async {
+        sqlx::query_as::<_, (String, Option<String>, i64)>("SELECT state, answer, version FROM operations")
+            .fetch_one(&pool)
+            .await
+            .expect("reads")
+    };
+    engine.stored(&batch.threads, batch.answers.clone());
+    assert!(!engine.visit_next(false).await.expect("visits"), "passed by: the lease is another's");
+    assert_eq!(state().await, ("pending".to_owned(), None, 0));
+    let owners: Vec<String> =
+        sqlx::query_scalar("SELECT owner FROM thread_leases").fetch_all(&pool).await.expect("reads");
+    assert_eq!(owners, ["other"]);
+    assert!(engine.handed_lock().is_empty(), "taken by the visit");
+
+    sqlx::query("DELETE FROM thread_leases").execute(&pool).await.expect("let go");
+    engine.stored(&batch.threads, batch.answers.clone());
+    assert!(engine.visit_next(false).await.expect("visits"));
+    let (expired, answer, version) = state().await;
+    assert_eq!((expired.as_str(), answer.as_deref()), ("expired", Some("handed")));
+
+    engine.stored(&batch.threads, batch.answers);
+    engine.visit_next(false).await.expect("visits");
+    assert_eq!(state().await.2, version, "a stale answer changes nothing");
+    let expiries: i64 = sqlx::query_scalar("SELECT count(*) FROM transitions WHERE to_state = 'expired'")
+        .fetch_one(&pool)
+        .await
+        .expect("reads");
+    assert_eq!(expiries, 1);
+    drop(engine);
+    db.drop().await;
+}

@@ -33,7 +33,7 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 
 use super::SaveValue;
-use super::{SAVE_COLUMNS, params_as_fields};
+use super::{LeaseWith, SAVE_COLUMNS, TakeLease, params_as_fields};
 use crate::store::StoreError;
 
 /// The most saves one statement carries.
@@ -81,7 +81,8 @@ fn compare_and_set(record: &str) -> String {
     let set = params_as_fields(update_operation!(set), "b.");
     let condition = params_as_fields(update_operation!(condition), "b.");
     format!(
-        "WITH took AS ({set} FROM jsonb_to_recordset(batch) AS b({record}) WHERE {condition} RETURNING b.seq) \
+        "WITH took AS ({set} FROM jsonb_to_recordset(batch) AS b({record}) WHERE {condition} \
+           AND NOT b.seq = ANY(refused) RETURNING b.seq) \
          SELECT coalesce(array_agg(seq), '{{}}') INTO taken FROM took; "
     )
 }
@@ -205,11 +206,14 @@ fn setup() -> &'static str {
              LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_hashjoin = off \
              SET enable_mergejoin = off SET enable_seqscan = off AS $fn$ \
              #variable_conflict use_column\n \
-             DECLARE s record; g record; taken bigint[]; gave_up bigint[] := '{{}}'; \
+             DECLARE s record; g record; got text; taken bigint[]; gave_up bigint[] := '{{}}'; \
+               refused bigint[] := '{{}}'; leased bigint[] := '{{}}'; \
              BEGIN \
              IF carries & {DELIVERIES} <> 0 THEN {deliveries}END IF; \
              IF carries & {CALLS} <> 0 THEN {calls}END IF; \
+             IF carries & {TAKE} <> 0 THEN {take}END IF; \
              {cas}\
+             IF NOT leased <@ taken THEN {untake}END IF; \
              IF carries & {AFTER} <> 0 AND cardinality(taken) > 0 THEN \
              FOR s IN SELECT * FROM jsonb_to_recordset(batch) AS x({record}) \
                WHERE x.seq = ANY(taken) AND (x.release_next OR x.inbox_id IS NOT NULL) ORDER BY x.seq \
@@ -225,6 +229,9 @@ fn setup() -> &'static str {
             TRANSITIONS = TRANSITIONS,
             RELEASE = RELEASE,
             release = RELEASE_LEASES,
+            TAKE = TAKE,
+            take = TAKE_LEASES,
+            untake = GIVE_BACK_UNSAVED,
             after = params_as_fields(AFTER_TAKEN, "s."),
         )
     })
@@ -264,6 +271,58 @@ const RELEASE_LEASES: &str = "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
        IF FOUND THEN gave_up := gave_up || g.seq; END IF; \
      END LOOP; ";
 
+/// The leases taken with their saves (`TakeLease`, decisions §35), each
+/// before the compare-and-sets, in the threads' order (two batches taking
+/// leases of the same threads wait for each other in one order). A lease
+/// held by another is not locked, only passed by: `ON CONFLICT DO UPDATE`
+/// would lock its row until this batch's durable commit, and the holder's
+/// own save giving it up would wait for that commit (with two batches
+/// doing so to each other's holders, for the deadlock detector). A save
+/// whose lease is held by another, whose thread has another answer
+/// waiting, or whose answer is held back behind an earlier one of the
+/// thread still resuming, is refused: the compare-and-set passes it by,
+/// and a lease it took goes again. The checks read after the lease's
+/// insert, each statement of the function on a snapshot of its own: they
+/// see whatever the lease's last holder saved before it let go.
+const TAKE_LEASES: &str = "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
+       AS x(seq bigint, id text, tenant text, thread_id text, inbox_id bigint, take_owner text, \
+         take_now bigint, take_until bigint) \
+       WHERE x.take_owner IS NOT NULL ORDER BY x.tenant, x.thread_id, x.seq \
+     LOOP \
+       got := NULL; \
+       INSERT INTO thread_leases (tenant, thread_id, owner, until) \
+         VALUES (g.tenant, g.thread_id, g.take_owner, g.take_until) \
+         ON CONFLICT (tenant, thread_id) DO NOTHING RETURNING owner INTO got; \
+       IF got IS NULL THEN \
+         UPDATE thread_leases SET owner = g.take_owner, until = g.take_until \
+           WHERE tenant = g.tenant AND thread_id = g.thread_id \
+             AND (until <= g.take_now OR owner = g.take_owner) \
+           RETURNING owner INTO got; \
+       END IF; \
+       IF got IS DISTINCT FROM g.take_owner THEN \
+         refused := refused || g.seq; \
+       ELSIF EXISTS (SELECT 1 FROM operations o WHERE o.tenant = g.tenant AND o.thread_id = g.thread_id \
+           AND o.inbox_at IS NOT NULL AND o.decision_id IS NOT NULL AND o.id <> g.id) \
+         OR EXISTS (SELECT 1 FROM operations e WHERE e.tenant = g.tenant AND e.thread_id = g.thread_id \
+           AND e.resume_seq IS NOT NULL AND e.resume_seq < g.inbox_id \
+           AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending')) THEN \
+         DELETE FROM thread_leases WHERE tenant = g.tenant AND thread_id = g.thread_id AND owner = g.take_owner; \
+         refused := refused || g.seq; \
+       ELSE \
+         leased := leased || g.seq; \
+       END IF; \
+     END LOOP; ";
+
+/// The leases taken for saves whose compare-and-set did not take (their
+/// operations moved meanwhile) go again: a save that did not take leaves
+/// no lease, and its worker reads the thread as any visit does.
+const GIVE_BACK_UNSAVED: &str = "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
+       AS x(seq bigint, tenant text, thread_id text, take_owner text) \
+       WHERE x.seq = ANY(leased) AND NOT x.seq = ANY(taken) \
+     LOOP \
+       DELETE FROM thread_leases WHERE tenant = g.tenant AND thread_id = g.thread_id AND owner = g.take_owner; \
+     END LOOP; ";
+
 /// What a batch carries besides its compare-and-sets, as bits of the
 /// function's second argument: a statement whose rows no save in the
 /// batch has is skipped, not run empty. Each costs an executor started and
@@ -277,6 +336,8 @@ const AFTER: i32 = 4;
 const TRANSITIONS: i32 = 8;
 /// A lease to give up with its save.
 const RELEASE: i32 = 16;
+/// A lease to take with its save.
+const TAKE: i32 = 32;
 
 /// The bits of `rows`' carries, as `DELIVERIES` … `TRANSITIONS`.
 fn carries(rows: &[&[SaveValue]]) -> i32 {
@@ -310,6 +371,8 @@ struct Pending {
     /// The owner of the thread's lease to give up with the save, if the
     /// thread has no work left (`RELEASE_LEASES`).
     release: Option<Arc<str>>,
+    /// The lease to take with the save: owner, now, until (`TAKE_LEASES`).
+    take: Option<(Arc<str>, i64, i64)>,
     reply: oneshot::Sender<Reply>,
     queued: std::time::Instant,
 }
@@ -353,13 +416,15 @@ impl PgSaveQueue {
     pub(crate) async fn save(
         self: &Arc<Self>,
         values: Vec<SaveValue>,
-        release: Option<&str>,
+        lease: LeaseWith<'_>,
     ) -> Result<(bool, bool), StoreError> {
         let (reply, answer) = oneshot::channel();
         let start = {
             let mut waiting = self.lock();
-            let release = release.map(Arc::from);
-            waiting.saves.push_back(Pending { values, release, reply, queued: std::time::Instant::now() });
+            let release = lease.release.map(Arc::from);
+            let take = lease.take.map(|t| (Arc::from(t.owner), t.now, t.until));
+            let queued = std::time::Instant::now();
+            waiting.saves.push_back(Pending { values, release, take, reply, queued });
             // Under the same lock a runner decides to stop (`take`), so a
             // save is never left with no runner to take it.
             let start = waiting.running < RUNNERS;
@@ -400,10 +465,20 @@ impl PgSaveQueue {
             // Stable: saves of one operation keep their order.
             batch.sort_by(|a, b| operation_id(&a.values).cmp(&operation_id(&b.values)));
             let rows: Vec<&[SaveValue]> = batch.iter().map(|p| p.values.as_slice()).collect();
-            let releases: Vec<Option<&str>> = batch.iter().map(|p| p.release.as_deref()).collect();
+            let leases: Vec<LeaseWith<'_>> = batch
+                .iter()
+                .map(|p| LeaseWith {
+                    release: p.release.as_deref(),
+                    take: p.take.as_ref().map(|(owner, now, until)| TakeLease {
+                        owner,
+                        now: *now,
+                        until: *until,
+                    }),
+                })
+                .collect();
             let started = std::time::Instant::now();
             let oldest = batch.iter().map(|p| p.queued).min().map_or(0, |q| (started - q).as_micros());
-            let results = run_batch(&self.pool, &rows, &releases).await;
+            let results = run_batch(&self.pool, &rows, &leases).await;
             tracing::trace!(
                 saves = rows.len(),
                 waited_us = oldest,
@@ -452,14 +527,14 @@ impl Drop for RunnerPlace {
 /// nothing), runs each again on its own, so only the failing save gets the
 /// error. A lost connection fails them all: whether the statement
 /// committed is not known, and each caller reads the store again.
-async fn run_batch(pool: &PgPool, rows: &[&[SaveValue]], releases: &[Option<&str>]) -> Vec<Reply> {
-    match execute(pool, rows, releases).await {
+async fn run_batch(pool: &PgPool, rows: &[&[SaveValue]], leases: &[LeaseWith<'_>]) -> Vec<Reply> {
+    match execute(pool, rows, leases).await {
         Ok(saved) => saved.into_iter().map(Ok).collect(),
         Err(e) if rows.len() > 1 && refused(&e) => {
             let mut each = Vec::with_capacity(rows.len());
-            for (row, release) in rows.iter().zip(releases) {
+            for (row, lease) in rows.iter().zip(leases) {
                 each.push(
-                    match execute(pool, std::slice::from_ref(row), std::slice::from_ref(release)).await {
+                    match execute(pool, std::slice::from_ref(row), std::slice::from_ref(lease)).await {
                         Ok(saved) => Ok(saved[0]),
                         Err(e) => Err(e.into()),
                     },
@@ -501,10 +576,12 @@ fn refused(e: &sqlx::Error) -> bool {
 async fn execute(
     pool: &PgPool,
     rows: &[&[SaveValue]],
-    releases: &[Option<&str>],
+    leases: &[LeaseWith<'_>],
 ) -> Result<Vec<(bool, bool)>, sqlx::Error> {
-    let batch = batch_json(rows, releases);
-    let carries = carries(rows) | if releases.iter().any(Option::is_some) { RELEASE } else { 0 };
+    let batch = batch_json(rows, leases);
+    let carries = carries(rows)
+        | if leases.iter().any(|l| l.release.is_some()) { RELEASE } else { 0 }
+        | if leases.iter().any(|l| l.take.is_some()) { TAKE } else { 0 };
     let run = || sqlx::query_as::<_, (i64, bool)>(BATCH).bind(&batch).bind(carries);
     let mut conn = pool.acquire().await?;
     let returned = match run().fetch_all(&mut *conn).await {
@@ -524,14 +601,14 @@ async fn execute(
 }
 
 /// The batch as the function reads it: an array of objects named by
-/// `SAVE_COLUMNS`, each with its place, and the owner of the lease to give
-/// up with it, where there is one.
-fn batch_json(rows: &[&[SaveValue]], releases: &[Option<&str>]) -> String {
+/// `SAVE_COLUMNS`, each with its place, the owner of the lease to give
+/// up with it and the lease to take with it, where there are.
+fn batch_json(rows: &[&[SaveValue]], leases: &[LeaseWith<'_>]) -> String {
     let batch: Vec<Value> = rows
         .iter()
-        .zip(releases.iter().chain(std::iter::repeat(&None)))
+        .zip(leases.iter().copied().chain(std::iter::repeat(LeaseWith::default())))
         .enumerate()
-        .map(|(seq, (row, release))| {
+        .map(|(seq, (row, lease))| {
             let mut o = Map::with_capacity(SAVE_COLUMNS.len());
             for ((column, ty), v) in SAVE_COLUMNS.iter().zip(TYPES).zip(row.iter()) {
                 let v = match v {
@@ -542,8 +619,13 @@ fn batch_json(rows: &[&[SaveValue]], releases: &[Option<&str>]) -> String {
                 o.insert((*column).to_owned(), v);
             }
             o.insert("seq".to_owned(), Value::from(seq));
-            if let Some(owner) = release {
-                o.insert("release_owner".to_owned(), Value::from(*owner));
+            if let Some(owner) = lease.release {
+                o.insert("release_owner".to_owned(), Value::from(owner));
+            }
+            if let Some(t) = lease.take {
+                o.insert("take_owner".to_owned(), Value::from(t.owner));
+                o.insert("take_now".to_owned(), Value::from(t.now));
+                o.insert("take_until".to_owned(), Value::from(t.until));
             }
             Value::Object(o)
         })
@@ -600,7 +682,7 @@ mod tests {
         };
         let rows = five();
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
-        let outcomes: Vec<Result<bool, String>> = run_batch(&pool, &refs, &[None; 5])
+        let outcomes: Vec<Result<bool, String>> = run_batch(&pool, &refs, &[LeaseWith::default(); 5])
             .await
             .into_iter()
             .map(|r| r.map(|(saved, _)| saved).map_err(|e| e.to_string()))
@@ -688,7 +770,7 @@ mod tests {
             Some("w-f"),
             Some("w-x"),
         ];
-        let saved = execute(&pool, &refs, &releases).await.expect("runs");
+        let saved = execute(&pool, &refs, &releases.map(LeaseWith::releasing)).await.expect("runs");
         let given_up: Vec<bool> = saved.iter().map(|s| s.1).collect();
         assert_eq!(
             given_up,
@@ -718,12 +800,99 @@ mod tests {
         .expect("leases again");
         let again = [row("a", 1, None)];
         let refs: Vec<&[SaveValue]> = again.iter().map(Vec::as_slice).collect();
-        assert_eq!(execute(&pool, &refs, &[None]).await.expect("runs"), vec![(true, false)]);
+        assert_eq!(execute(&pool, &refs, &[LeaseWith::default()]).await.expect("runs"), vec![(true, false)]);
         let held: i64 = sqlx::query_scalar("SELECT count(*) FROM thread_leases WHERE thread_id = 'a'")
             .fetch_one(&pool)
             .await
             .expect("reads");
         assert_eq!(held, 1);
+        db.drop().await;
+    }
+
+    // A save that takes its thread's lease (an answer handed on by the
+    // inbox, decisions §35) is made only if the lease was free or run out,
+    // no other answer waits on the thread and its answer is not held back;
+    // refused, or its compare-and-set failing, it leaves the operation and
+    // the leases as they were.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_save_takes_its_threads_lease_only_when_its_answer_is_next() {
+        let Some((db, _store, pool)) = pg("a_save_takes_its_threads_lease").await else {
+            return;
+        };
+        let later = i64::MAX / 2;
+        // On c, c2's answer waits too; on d, d0's earlier answer is still
+        // being delivered; f is a thread of its own.
+        for (id, thread, state, inbox_at, resume_seq) in [
+            ("c2", "c", "pending", Some(3), None),
+            ("d0", "d", "delivering", None, Some(1)),
+            ("f", "f", "pending", None, None),
+        ] {
+            sqlx::query(
+                "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+                 decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, \
+                 created_at, updated_at, inbox_at, resume_seq) \
+                 VALUES ($1, 't', $1, 'f', $2, 'i', 'e', 'confirm', '{}', '{}', $3, 'dec-' || $1, $1, 9, \
+                 1, 1, $4, $5)",
+            )
+            .bind(id)
+            .bind(thread)
+            .bind(state)
+            .bind(inbox_at)
+            .bind(resume_seq)
+            .execute(&pool)
+            .await
+            .expect("inserts");
+        }
+        // b's lease is another's; f's ran out.
+        for (thread, owner, until) in [("b", "other", later), ("f", "gone", 1)] {
+            sqlx::query(
+                "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', $1, $2, $3)",
+            )
+            .bind(thread)
+            .bind(owner)
+            .bind(until)
+            .execute(&pool)
+            .await
+            .expect("leases");
+        }
+        let mut held_back = row("d", 0, None);
+        held_back[INBOX_ID_AT] = SaveValue::Int(Some(5));
+        let rows = [
+            row("a", 0, None),
+            row("b", 0, None),
+            row("c", 0, None),
+            held_back,
+            row("f", 0, None),
+            row("x", 7, None),
+        ];
+        let owners = ["w-a", "w-b", "w-c", "w-d", "w-f", "w-x"];
+        let leases: Vec<LeaseWith<'_>> = owners
+            .iter()
+            .map(|owner| LeaseWith { release: None, take: Some(TakeLease { owner, now: 100, until: later }) })
+            .collect();
+        let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
+        let saved = execute(&pool, &refs, &leases).await.expect("runs");
+        let took: Vec<bool> = saved.iter().map(|s| s.0).collect();
+        assert_eq!(
+            took,
+            [true, false, false, false, true, false],
+            "a: free; b: another's lease; c: another answer waits; d: held back; f: run out; x: stale version"
+        );
+        let held: Vec<(String, String)> =
+            sqlx::query_as("SELECT thread_id, owner FROM thread_leases ORDER BY 1")
+                .fetch_all(&pool)
+                .await
+                .expect("reads");
+        let held: Vec<(&str, &str)> = held.iter().map(|(t, o)| (t.as_str(), o.as_str())).collect();
+        assert_eq!(held, [("a", "w-a"), ("b", "other"), ("f", "w-f")]);
+        let versions: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT id, version FROM operations WHERE id IN ('a', 'b', 'c', 'd', 'f', 'x') ORDER BY id",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("reads");
+        let versions: Vec<(&str, i64)> = versions.iter().map(|(id, v)| (id.as_str(), *v)).collect();
+        assert_eq!(versions, [("a", 1), ("b", 0), ("c", 0), ("d", 0), ("f", 1), ("x", 0)]);
         db.drop().await;
     }
 
@@ -772,7 +941,7 @@ mod tests {
             let (queue, thread) = (Arc::clone(&queue), thread.clone());
             callers.spawn(async move {
                 let values = row(&thread, 0, (i == 7).then_some("dec-1"));
-                let saved = queue.save(values, Some(&format!("w-{thread}"))).await;
+                let saved = queue.save(values, LeaseWith::releasing(Some(&format!("w-{thread}")))).await;
                 (i, saved.map_err(|e| e.to_string()))
             });
         }
@@ -803,7 +972,7 @@ mod tests {
         };
         let rows = [row("a", 0, None), row("a", 0, None), row("c", 0, None)];
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
-        let saved = execute(&pool, &refs, &[None; 3]).await.expect("runs");
+        let saved = execute(&pool, &refs, &[LeaseWith::default(); 3]).await.expect("runs");
         assert_eq!(saved, vec![(true, false), (false, false), (true, false)]);
         assert_eq!(calls(&pool).await, vec![("a".into(), 2), ("c".into(), 1)]);
         db.drop().await;
@@ -836,8 +1005,12 @@ mod tests {
             carrying("c", 0, &["expired", "archived", "gone"]),
         ];
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
-        let saved: Vec<bool> =
-            execute(&pool, &refs, &[None; 4]).await.expect("runs").into_iter().map(|s| s.0).collect();
+        let saved: Vec<bool> = execute(&pool, &refs, &[LeaseWith::default(); 4])
+            .await
+            .expect("runs")
+            .into_iter()
+            .map(|s| s.0)
+            .collect();
         assert_eq!(saved, vec![true, false, true, true]);
         let transitions: Vec<(String, String)> =
             sqlx::query_as("SELECT operation_id, to_state FROM transitions ORDER BY id")
@@ -906,8 +1079,9 @@ mod tests {
         for id in ["a", "b", "c", "d"] {
             for _ in 0..8 {
                 let queue = Arc::clone(&queue);
-                callers
-                    .spawn(async move { (id, queue.save(row(id, 0, None), None).await.expect("saves").0) });
+                callers.spawn(async move {
+                    (id, queue.save(row(id, 0, None), LeaseWith::default()).await.expect("saves").0)
+                });
             }
         }
         let mut won: Vec<&str> =
@@ -946,7 +1120,10 @@ mod tests {
         let body = text.split("$fn$").nth(1).expect("a quoted body");
         assert!(!body.contains('$'), "{body}");
         assert!(
-            body.contains("WHERE operations.id = b.id AND operations.version = b.version RETURNING b.seq"),
+            body.contains(
+                "WHERE operations.id = b.id AND operations.version = b.version AND NOT b.seq = ANY(refused) \
+                 RETURNING b.seq"
+            ),
             "{body}"
         );
     }
@@ -1016,6 +1193,7 @@ mod tests {
             waiting.saves.push_back(Pending {
                 values: test_rows::row("a", 0, None),
                 release: None,
+                take: None,
                 reply,
                 queued: std::time::Instant::now(),
             });
@@ -1050,7 +1228,8 @@ mod tests {
         row[21] = SaveValue::Int(Some(1)); // clear_inbox_at
         row[27] = SaveValue::Int(Some(0)); // release_next
         let json: Value =
-            serde_json::from_str(&batch_json(&[&row, &row], &[None, Some("w-1")])).expect("JSON");
+            serde_json::from_str(&batch_json(&[&row, &row], &[None, Some("w-1")].map(LeaseWith::releasing)))
+                .expect("JSON");
         assert_eq!(json[1]["id"], "op-1");
         assert_eq!(json[1]["version"], 3);
         assert_eq!(json[1]["clear_inbox_at"], true);
