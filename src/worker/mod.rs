@@ -44,10 +44,13 @@ struct Visit {
     /// A save gave the lease up: the visit is over.
     gave_up: bool,
     /// The visit's first save takes the lease (an answer handed on by the
-    /// inbox, decisions §35); it did if `took`.
+    /// inbox, decisions §35); it did at `took_at` (ms), if it did.
     taking: bool,
-    took: bool,
+    took_at: Option<i64>,
 }
+
+/// The most answers handed on that wait for their threads' next visit.
+const MAX_HANDED: usize = 4096;
 
 tokio::task_local! {
     static VISIT: RefCell<Visit>;
@@ -85,9 +88,9 @@ fn lease_to_take() -> Option<String> {
         .flatten()
 }
 
-/// The save just made took the visit's lease.
-fn took_lease() {
-    let _ = VISIT.try_with(|v| v.borrow_mut().took = true);
+/// The save just made took the visit's lease, at `at`.
+fn took_lease(at: i64) {
+    let _ = VISIT.try_with(|v| v.borrow_mut().took_at = Some(at));
 }
 
 /// The save just made gave up the visit's lease.
@@ -299,7 +302,12 @@ impl Engine {
         if !answers.is_empty() && self.workers_here.load(Ordering::SeqCst) {
             let mut handed = self.handed_lock();
             for (entry, op) in answers {
-                handed.insert((op.tenant.clone(), op.thread_id.clone()), (Box::new(entry), op));
+                // Bounded: an entry goes when its thread is next visited
+                // here, and one whose thread another replica holds may wait
+                // long for that. Past the bound, answers are read instead.
+                if handed.len() < MAX_HANDED {
+                    handed.insert((op.tenant.clone(), op.thread_id.clone()), (Box::new(entry), op));
+                }
             }
         }
         self.offer(threads);
@@ -413,7 +421,7 @@ impl Engine {
                     })
                     .await;
                 match first {
-                    Ok(v) if v.took => carried = Some(v),
+                    Ok(v) if v.took_at.is_some() => carried = Some(v),
                     // Its log's transitions were not saved; the visit below
                     // logs what it does instead.
                     Ok(_) => tracing::debug!(
@@ -441,8 +449,12 @@ impl Engine {
                 {
                     Ok(Some(work)) => Some(work),
                     // Leased elsewhere: its holder's process hears of new
-                    // work from the store's signal.
-                    Ok(None) => continue,
+                    // work from the store's signal, and applies any answer
+                    // handed on for the thread meanwhile from the store.
+                    Ok(None) => {
+                        self.handed_lock().remove(claim.key());
+                        continue;
+                    }
                     Err(e) => {
                         // The lease may have been taken before the read
                         // failed: let it go rather than leave the thread
@@ -457,7 +469,9 @@ impl Engine {
                 None
             };
             // The handed answer's visit goes on with what its saves left
-            // due, holding the lease they took, unless one gave it up.
+            // due, holding the lease they took, unless one gave it up; the
+            // lease's clock, for its renewal, runs from its taking.
+            let leased_at = carried.as_ref().and_then(|v| v.took_at).unwrap_or(now);
             let visit = match carried {
                 Some(v) => Visit {
                     due_next: v.due_next,
@@ -471,8 +485,9 @@ impl Engine {
                 self.let_go(claim);
                 return Ok(true);
             }
-            let result =
-                VISIT.scope(RefCell::new(visit), self.work_thread(&claim, &owner, shared, first)).await;
+            let result = VISIT
+                .scope(RefCell::new(visit), self.work_thread(&claim, &owner, shared, leased_at, first))
+                .await;
             // Release even after an error, so the thread does not wait out
             // the lease, unless the visit's last read gave it up.
             let given_up = result.as_ref().is_ok_and(|given_up| *given_up);
@@ -563,13 +578,14 @@ impl Engine {
         claim: &Claim<'_>,
         owner: &str,
         leased: bool,
+        leased_at: i64,
         mut read: Option<Option<ThreadWork>>,
     ) -> Result<bool, StoreError> {
         let (tenant, thread) = (claim.key().0.as_str(), claim.key().1.as_str());
-        // The lease was just taken; renewing it is a write, so it is done
-        // only once a third of it has passed, not before every step (each
-        // step's calls are bounded by timeouts shorter than the lease).
-        let mut renewed = now_ms();
+        // The lease was taken at `leased_at`; renewing it is a write, so it
+        // is done only once a third of it has passed, not before every step
+        // (each step's calls are bounded by timeouts shorter than the lease).
+        let mut renewed = leased_at;
         // Bounded, so one busy thread cannot starve the others.
         for _ in 0..64 {
             let now = now_ms();

@@ -107,7 +107,7 @@ impl Engine {
         };
         let (saved, gave_up) = self.store.save_held_releasing(op, transitions, inbox, lease).await?;
         if saved && take.is_some() {
-            super::took_lease();
+            super::took_lease(now);
         }
         if gave_up {
             super::gave_up_lease();

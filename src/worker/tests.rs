@@ -252,7 +252,8 @@ async fn visit_leased(engine: &Engine, thread: &str) -> (bool, bool, Missed) {
     let visit = super::Visit { lease_owner: Some(owner.clone()), ..super::Visit::default() };
     let (given_up, by_save) = super::VISIT
         .scope(std::cell::RefCell::new(visit), async {
-            let given_up = engine.work_thread(&claim, &owner, true, Some(first)).await.expect("visits");
+            let given_up =
+                engine.work_thread(&claim, &owner, true, now_ms(), Some(first)).await.expect("visits");
             (given_up, super::VISIT.with(|v| v.borrow().gave_up))
         })
         .await;
@@ -398,10 +399,14 @@ async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
     assert!(engine.visit_next(false).await.expect("visits"));
     let (expired, answer, version) = state().await;
     assert_eq!((expired.as_str(), answer.as_deref()), ("expired", Some("handed")));
+    let owners: Vec<String> =
+        sqlx::query_scalar("SELECT owner FROM thread_leases").fetch_all(&pool).await.expect("reads");
+    assert!(owners.is_empty(), "the visit gave the lease it took up: {owners:?}");
 
     engine.stored(&batch.threads, batch.answers);
     engine.visit_next(false).await.expect("visits");
     assert_eq!(state().await.2, version, "a stale answer changes nothing");
+    assert!(leases(&pool).await.is_empty(), "and leaves no lease");
     let expiries: i64 = sqlx::query_scalar("SELECT count(*) FROM transitions WHERE to_state = 'expired'")
         .fetch_one(&pool)
         .await

@@ -277,7 +277,9 @@ const RELEASE_LEASES: &str = "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
 /// held by another is not locked, only passed by: `ON CONFLICT DO UPDATE`
 /// would lock its row until this batch's durable commit, and the holder's
 /// own save giving it up would wait for that commit (with two batches
-/// doing so to each other's holders, for the deadlock detector). A save
+/// doing so to each other's holders, for the deadlock detector). One run
+/// out is taken over only if no one has its row locked (its holder, late,
+/// giving it up): `SKIP LOCKED`, and the save is refused. A save
 /// whose lease is held by another, whose thread has another answer
 /// waiting, or whose answer is held back behind an earlier one of the
 /// thread still resuming, is refused: the compare-and-set passes it by,
@@ -294,10 +296,12 @@ const TAKE_LEASES: &str = "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
          VALUES (g.tenant, g.thread_id, g.take_owner, g.take_until) \
          ON CONFLICT (tenant, thread_id) DO NOTHING RETURNING owner INTO got; \
        IF got IS NULL THEN \
-         UPDATE thread_leases SET owner = g.take_owner, until = g.take_until \
-           WHERE tenant = g.tenant AND thread_id = g.thread_id \
-             AND (until <= g.take_now OR owner = g.take_owner) \
-           RETURNING owner INTO got; \
+         UPDATE thread_leases l SET owner = g.take_owner, until = g.take_until \
+           FROM (SELECT k.tenant, k.thread_id FROM thread_leases k \
+             WHERE k.tenant = g.tenant AND k.thread_id = g.thread_id \
+               AND (k.until <= g.take_now OR k.owner = g.take_owner) FOR UPDATE SKIP LOCKED) AS k \
+           WHERE l.tenant = k.tenant AND l.thread_id = k.thread_id \
+           RETURNING l.owner INTO got; \
        END IF; \
        IF got IS DISTINCT FROM g.take_owner THEN \
          refused := refused || g.seq; \
@@ -826,6 +830,7 @@ mod tests {
             ("c2", "c", "pending", Some(3), None),
             ("d0", "d", "delivering", None, Some(1)),
             ("f", "f", "pending", None, None),
+            ("g", "g", "pending", None, None),
         ] {
             sqlx::query(
                 "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
@@ -843,8 +848,9 @@ mod tests {
             .await
             .expect("inserts");
         }
-        // b's lease is another's; f's ran out.
-        for (thread, owner, until) in [("b", "other", later), ("f", "gone", 1)] {
+        // b's lease is another's; f's ran out, and g's, whose late holder
+        // is giving it up (its row locked).
+        for (thread, owner, until) in [("b", "other", later), ("f", "gone", 1), ("g", "late", 1)] {
             sqlx::query(
                 "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', $1, $2, $3)",
             )
@@ -863,20 +869,28 @@ mod tests {
             row("c", 0, None),
             held_back,
             row("f", 0, None),
+            row("g", 0, None),
             row("x", 7, None),
         ];
-        let owners = ["w-a", "w-b", "w-c", "w-d", "w-f", "w-x"];
+        let owners = ["w-a", "w-b", "w-c", "w-d", "w-f", "w-g", "w-x"];
         let leases: Vec<LeaseWith<'_>> = owners
             .iter()
             .map(|owner| LeaseWith { release: None, take: Some(TakeLease { owner, now: 100, until: later }) })
             .collect();
         let refs: Vec<&[SaveValue]> = rows.iter().map(Vec::as_slice).collect();
+        let mut late = pool.begin().await.expect("begins");
+        sqlx::query("SELECT 1 FROM thread_leases WHERE thread_id = 'g' FOR UPDATE")
+            .execute(&mut *late)
+            .await
+            .expect("locks g's lease");
         let saved = execute(&pool, &refs, &leases).await.expect("runs");
+        late.rollback().await.expect("lets go");
         let took: Vec<bool> = saved.iter().map(|s| s.0).collect();
         assert_eq!(
             took,
-            [true, false, false, false, true, false],
-            "a: free; b: another's lease; c: another answer waits; d: held back; f: run out; x: stale version"
+            [true, false, false, false, true, false, false],
+            "a: free; b: another's lease; c: another answer waits; d: held back; f: run out; \
+             g: run out but locked; x: stale version"
         );
         let held: Vec<(String, String)> =
             sqlx::query_as("SELECT thread_id, owner FROM thread_leases ORDER BY 1")
@@ -884,15 +898,15 @@ mod tests {
                 .await
                 .expect("reads");
         let held: Vec<(&str, &str)> = held.iter().map(|(t, o)| (t.as_str(), o.as_str())).collect();
-        assert_eq!(held, [("a", "w-a"), ("b", "other"), ("f", "w-f")]);
+        assert_eq!(held, [("a", "w-a"), ("b", "other"), ("f", "w-f"), ("g", "late")]);
         let versions: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT id, version FROM operations WHERE id IN ('a', 'b', 'c', 'd', 'f', 'x') ORDER BY id",
+            "SELECT id, version FROM operations WHERE id IN ('a', 'b', 'c', 'd', 'f', 'g', 'x') ORDER BY id",
         )
         .fetch_all(&pool)
         .await
         .expect("reads");
         let versions: Vec<(&str, i64)> = versions.iter().map(|(id, v)| (id.as_str(), *v)).collect();
-        assert_eq!(versions, [("a", 1), ("b", 0), ("c", 0), ("d", 0), ("f", 1), ("x", 0)]);
+        assert_eq!(versions, [("a", 1), ("b", 0), ("c", 0), ("d", 0), ("f", 1), ("g", 0), ("x", 0)]);
         db.drop().await;
     }
 
