@@ -910,6 +910,88 @@ mod tests {
         db.drop().await;
     }
 
+    // The checks of a save that takes its thread's lease read after the
+    // lease's insert, which waits for the last holder's commit that gives
+    // it up: what that holder saved in the same commit is seen. Here the
+    // holder's last commit leaves an earlier answer still resuming, and
+    // the save, begun before that commit, is refused as held back. (One
+    // statement's parts would all read the snapshot from before the wait.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_save_taking_a_lease_sees_what_its_last_holder_committed_with_its_release() {
+        let Some((db, _store, pool)) = pg("a_save_taking_a_lease_sees_its_last_holder").await else {
+            return;
+        };
+        sqlx::query(
+            "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+             decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, created_at, \
+             updated_at) VALUES ('a0', 't', 'a0', 'f', 'a', 'i', 'e', 'confirm', '{}', '{}', 'pending', 'dec-a0', \
+             'a0', 9, 1, 1)",
+        )
+        .execute(&pool)
+        .await
+        .expect("inserts");
+        sqlx::query(
+            "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'a', 'holder', $1)",
+        )
+        .bind(i64::MAX / 2)
+        .execute(&pool)
+        .await
+        .expect("leases");
+        let mut holder = pool.begin().await.expect("begins");
+        sqlx::query("UPDATE operations SET state = 'delivering', resume_seq = 1 WHERE id = 'a0'")
+            .execute(&mut *holder)
+            .await
+            .expect("the holder's last save");
+        sqlx::query("DELETE FROM thread_leases WHERE thread_id = 'a'")
+            .execute(&mut *holder)
+            .await
+            .expect("gives the lease up");
+        let taking = tokio::spawn({
+            let pool = pool.clone();
+            async move {
+                let mut answer = row("a", 0, None);
+                answer[INBOX_ID_AT] = SaveValue::Int(Some(5));
+                let take = TakeLease { owner: "w-a", now: 100, until: i64::MAX / 2 };
+                execute(&pool, &[&answer], &[LeaseWith { release: None, take: Some(take) }])
+                    .await
+                    .expect("runs")
+            }
+        });
+        // The save waits on the holder's uncommitted delete of the lease.
+        let start = std::time::Instant::now();
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&pool)
+            .await
+            .expect("reads");
+            if waiting > 0 {
+                break;
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(20), "the save never waited");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        holder.commit().await.expect("the holder commits");
+        let saved = taking.await.expect("the save ends");
+        assert_eq!(saved, vec![(false, false)], "refused: an earlier answer of the thread is still resuming");
+        let version: i64 = sqlx::query_scalar("SELECT version FROM operations WHERE id = 'a'")
+            .fetch_one(&pool)
+            .await
+            .expect("reads");
+        assert_eq!(version, 0);
+        assert!(
+            sqlx::query_scalar::<_, String>("SELECT owner FROM thread_leases")
+                .fetch_all(&pool)
+                .await
+                .expect("reads")
+                .is_empty(),
+            "and leaves no lease"
+        );
+        db.drop().await;
+    }
+
     // Through the queue (batches sorted by operation, a refused batch run
     // again save by save), each save's lease stays paired with its save:
     // 24 saves from as many callers at once share batches (at most
