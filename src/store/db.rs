@@ -67,13 +67,21 @@ macro_rules! commit_without_flush {
 /// Whether the `inbox` row in scope waits behind an earlier answer of the
 /// thread (`$thread`) that still has resume work: answers of a thread
 /// resume in arrival order. Read with the entry, not by a query of its own.
+/// With three arguments, for the answer whose tenant, thread and inbox id
+/// they name (the save that takes its thread's lease, decisions §35).
 macro_rules! held_back {
     ($thread:literal) => {
+        held_back!("inbox.tenant", $thread, "inbox.id")
+    };
+    ($tenant:literal, $thread:literal, $inbox_id:literal) => {
         concat!(
-            "EXISTS (SELECT 1 FROM operations e WHERE e.tenant = inbox.tenant AND e.thread_id = ",
+            "EXISTS (SELECT 1 FROM operations e WHERE e.tenant = ",
+            $tenant,
+            " AND e.thread_id = ",
             $thread,
-            " AND e.resume_seq IS NOT NULL AND e.resume_seq < inbox.id \
-               AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending'))"
+            " AND e.resume_seq IS NOT NULL AND e.resume_seq < ",
+            $inbox_id,
+            " AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending'))"
         )
     };
 }
@@ -401,6 +409,43 @@ fn build_inbox_insert_text(rows: usize, insert: &str) -> String {
         marked.join(", ")
     ));
     sql
+}
+
+/// The answers a batch hands on (`BatchInsert::answers`): of the rows at
+/// `pending` in `rows`, each its thread's one answer in the batch (of
+/// several, the worker must take the first by arrival, which its read of
+/// the thread finds), with its operation decoded only then, on the
+/// writer's way to its acknowledgements. The batch is committed: an
+/// operation that does not decode is left to the worker's read of its
+/// thread, which reports it, not made the callbacks' error.
+fn handed_answers(
+    rows: &[sqlx::postgres::PgRow],
+    pending: &[usize],
+    threads: &[(String, String)],
+    entries: &[OwnedInboxEntry],
+    first: &HashMap<(&str, &str), usize>,
+) -> Vec<(InboxEntry, Operation)> {
+    let mut answers_per_thread: HashMap<&(String, String), usize> = HashMap::new();
+    for t in threads {
+        *answers_per_thread.entry(t).or_default() += 1;
+    }
+    let mut answers = Vec::new();
+    for &place in pending {
+        let row = &rows[place];
+        let Ok(op) = Operation::from_row(row) else { continue };
+        let key = (op.tenant.clone(), op.thread_id.clone());
+        let (Ok(id), Ok(correlation_id)) =
+            (row.try_get::<i64, _>("inbox_id"), row.try_get::<&str, _>("inbox_correlation_id"))
+        else {
+            continue;
+        };
+        if answers_per_thread.get(&key) == Some(&1)
+            && let Some(&i) = first.get(&(op.tenant.as_str(), correlation_id))
+        {
+            answers.push((stored_entry(&entries[i], id), op));
+        }
+    }
+    answers
 }
 
 /// The inbox row `id` as the batch stored it from `e`.
@@ -1124,36 +1169,25 @@ impl Store {
             }
             r => r?,
         };
-        let mut answers: Vec<(InboxEntry, Operation)> = Vec::new();
-        for row in stored_rows {
+        // Rows marking a pending operation, by their place in `stored_rows`.
+        let mut pending: Vec<usize> = Vec::new();
+        for (place, row) in stored_rows.iter().enumerate() {
             let tenant: &str = row.try_get("inbox_tenant")?;
             let id = row.try_get("inbox_id")?;
-            let correlation_id: &str = row.try_get("inbox_correlation_id")?;
             match row.try_get::<Option<String>, _>("thread_id")? {
                 Some(thread) => {
                     threads.push((tenant.to_string(), thread));
-                    // The batch is committed: an operation that will not
-                    // read is left to the worker's read of its thread, which
-                    // reports it, not made the callbacks' error.
-                    if let Some(&i) = first.get(&(tenant, correlation_id))
-                        && let Ok(op) = Operation::from_row(&row)
-                        && op.state == crate::domain::state::State::Pending
-                    {
-                        answers.push((stored_entry(&entries[i], id), op));
+                    if row.try_get::<Option<&str>, _>("state")? == Some("pending") {
+                        pending.push(place);
                     }
                 }
                 None => unmarked.push(id),
             }
-            record_stored(&first, &mut stored, tenant, correlation_id, id);
+            record_stored(&first, &mut stored, tenant, row.try_get("inbox_correlation_id")?, id);
         }
-        // An answer is handed on only if it is its thread's one in the
-        // batch: of several, the worker must take the first by arrival,
-        // which its read of the thread finds.
-        answers.retain(|(_, op)| {
-            threads.iter().filter(|(t, th)| *t == op.tenant && *th == op.thread_id).count() == 1
-        });
         let mut done = match stored.iter().copied().collect::<Option<Vec<i64>>>() {
             Some(ids) => {
+                let answers = handed_answers(&stored_rows, &pending, &threads, entries, &first);
                 let mut done = self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads);
                 done.answers = answers;
                 done

@@ -371,6 +371,7 @@ pub struct LeaseWith<'a> {
     pub take: Option<TakeLease<'a>>,
 }
 
+#[cfg(test)]
 impl<'a> LeaseWith<'a> {
     pub fn releasing(owner: Option<&'a str>) -> Self {
         Self { release: owner, take: None }

@@ -286,7 +286,8 @@ const RELEASE_LEASES: &str = "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
 /// and a lease it took goes again. The checks read after the lease's
 /// insert, each statement of the function on a snapshot of its own: they
 /// see whatever the lease's last holder saved before it let go.
-const TAKE_LEASES: &str = "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
+const TAKE_LEASES: &str = concat!(
+    "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
        AS x(seq bigint, id text, tenant text, thread_id text, inbox_id bigint, take_owner text, \
          take_now bigint, take_until bigint) \
        WHERE x.take_owner IS NOT NULL ORDER BY x.tenant, x.thread_id, x.seq \
@@ -307,15 +308,16 @@ const TAKE_LEASES: &str = "FOR g IN SELECT * FROM jsonb_to_recordset(batch) \
          refused := refused || g.seq; \
        ELSIF EXISTS (SELECT 1 FROM operations o WHERE o.tenant = g.tenant AND o.thread_id = g.thread_id \
            AND o.inbox_at IS NOT NULL AND o.decision_id IS NOT NULL AND o.id <> g.id) \
-         OR EXISTS (SELECT 1 FROM operations e WHERE e.tenant = g.tenant AND e.thread_id = g.thread_id \
-           AND e.resume_seq IS NOT NULL AND e.resume_seq < g.inbox_id \
-           AND (e.state IN ('answered', 'permitted', 'delivering') OR e.delivery = 'pending')) THEN \
+         OR ",
+    held_back!("g.tenant", "g.thread_id", "g.inbox_id"),
+    " THEN \
          DELETE FROM thread_leases WHERE tenant = g.tenant AND thread_id = g.thread_id AND owner = g.take_owner; \
          refused := refused || g.seq; \
        ELSE \
          leased := leased || g.seq; \
        END IF; \
-     END LOOP; ";
+     END LOOP; "
+);
 
 /// The leases taken for saves whose compare-and-set did not take (their
 /// operations moved meanwhile) go again: a save that did not take leaves
