@@ -110,9 +110,12 @@ impl Application {
             Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())).with_metrics(metrics),
         );
         let wake = Arc::clone(&engine);
-        let inbox = crate::store::InboxWriter::start(engine.store().clone(), move |threads, answers| {
-            wake.stored(threads, answers)
-        });
+        let applier = Arc::clone(&engine);
+        let inbox = crate::store::InboxWriter::start(
+            engine.store().clone(),
+            move |threads, answers, applied| wake.stored(threads, answers, applied),
+            Some(Arc::new(move |entry: &_, op: &_| applier.first_save(entry, op))),
+        );
         let state = AppState::new(api::Shared {
             inbox,
             callback_slots: Arc::new(tokio::sync::Semaphore::new(config.server.max_concurrent_callbacks)),

@@ -19,6 +19,7 @@ use sqlx::{AssertSqlSafe, Connection, Row, SqlStr};
 
 use super::inbox_writer::OwnedInboxEntry;
 use super::rows::{DeliveryRecord, InboxEntry, Operation, Transition};
+use super::save::{Applied, FirstSaves};
 use super::sqlite_group::SqliteGroup;
 use super::work_signal::WorkSignal;
 use super::{InboxInsert, Inserted, NewInboxEntry, OperationFilter, StoreError};
@@ -275,6 +276,9 @@ pub struct BatchInsert {
     /// applies such an answer at once, taking the thread's lease with its
     /// first save (`TakeLease`, decisions §35).
     pub answers: Vec<(InboxEntry, Operation)>,
+    /// PostgreSQL: answers applied by their first saves in the batch's
+    /// own transaction, each holding its thread's lease (decisions §36).
+    pub applied: Vec<Applied>,
 }
 
 /// Stores the rows of `v` (but its padding) that are not repeats of an
@@ -418,7 +422,7 @@ fn build_inbox_insert_text(rows: usize, insert: &str) -> String {
 /// writer's way to its acknowledgements. The batch is committed: an
 /// operation that does not decode is left to the worker's read of its
 /// thread, which reports it, not made the callbacks' error.
-fn handed_answers(
+pub(super) fn handed_answers(
     rows: &[sqlx::postgres::PgRow],
     pending: &[usize],
     threads: &[(String, String)],
@@ -476,6 +480,45 @@ pub(super) fn record_stored(
     if let Some(&i) = first.get(&(tenant, correlation_id)) {
         stored[i] = Some(id);
     }
+}
+
+/// What a batch's insert returned, read: by entry, the id of the row it
+/// stored (first entries only); the threads of the operations the rows
+/// marked; the rows that marked none; and the places, in the rows, of
+/// those that marked a pending operation.
+pub(super) struct StoredRows {
+    pub(super) stored: Vec<Option<i64>>,
+    pub(super) threads: Vec<(String, String)>,
+    pub(super) unmarked: Vec<i64>,
+    pub(super) pending: Vec<usize>,
+}
+
+pub(super) fn read_stored_rows(
+    rows: &[sqlx::postgres::PgRow],
+    first: &HashMap<(&str, &str), usize>,
+    entries: usize,
+) -> Result<StoredRows, StoreError> {
+    let mut out = StoredRows {
+        stored: vec![None; entries],
+        threads: Vec::new(),
+        unmarked: Vec::new(),
+        pending: Vec::new(),
+    };
+    for (place, row) in rows.iter().enumerate() {
+        let tenant: &str = row.try_get("inbox_tenant")?;
+        let id = row.try_get("inbox_id")?;
+        match row.try_get::<Option<String>, _>("thread_id")? {
+            Some(thread) => {
+                out.threads.push((tenant.to_string(), thread));
+                if row.try_get::<Option<&str>, _>("state")? == Some("pending") {
+                    out.pending.push(place);
+                }
+            }
+            None => out.unmarked.push(id),
+        }
+        record_stored(first, &mut out.stored, tenant, row.try_get("inbox_correlation_id")?, id);
+    }
+    Ok(out)
 }
 
 /// From the inbox rows `$1` to their operations, by the operations'
@@ -1116,6 +1159,17 @@ impl Store {
     /// row per (tenant, correlation id), later bodies count as duplicates,
     /// a callback for an archived operation is a replay.
     pub async fn insert_inbox_batch(&self, entries: &[OwnedInboxEntry]) -> Result<BatchInsert, StoreError> {
+        self.insert_inbox_batch_with(entries, None).await
+    }
+
+    /// `insert_inbox_batch`, which on PostgreSQL also makes, in the same
+    /// transaction, the first save of each answer `first_saves` gives one
+    /// for (decisions §36): `BatchInsert::applied`.
+    pub async fn insert_inbox_batch_with(
+        &self,
+        entries: &[OwnedInboxEntry],
+        first_saves: Option<FirstSaves<'_>>,
+    ) -> Result<BatchInsert, StoreError> {
         // The first of several entries for one decision is the one stored.
         let mut first: HashMap<(&str, &str), usize> = HashMap::new();
         let mut unique: Vec<usize> = Vec::with_capacity(entries.len());
@@ -1151,10 +1205,24 @@ impl Store {
             q.bind(now)
         };
         let mut conn = pool.acquire().await?;
-        // By entry: the id of the row it stored (first entries only).
-        let mut stored: Vec<Option<i64>> = vec![None; entries.len()];
-        let mut threads: Vec<(String, String)> = Vec::new();
-        let mut unmarked: Vec<i64> = Vec::new();
+        if let Some(first_saves) = first_saves {
+            // The answers' first saves commit with their callbacks
+            // (decisions §36); a batch that cannot (a repeat, a save
+            // PostgreSQL refused) is stored as below, its answers handed on.
+            let mut tx = conn.begin().await?;
+            match query(true).fetch_all(&mut *tx).await {
+                Ok(rows) => match self.commit_applying(tx, &rows, entries, &first, first_saves).await? {
+                    super::inbox_apply::Applying::Done(done) => return Ok(done),
+                    super::inbox_apply::Applying::Again { make_function } => {
+                        if make_function {
+                            super::save::make_function(&mut conn).await?;
+                        }
+                    }
+                },
+                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => tx.rollback().await?,
+                Err(e) => return Err(e.into()),
+            }
+        }
         // The insert is a statement of its own; the repeats (rare) get a
         // transaction after it. It is tried first without the conflict
         // clause: `ON CONFLICT` makes every row a speculative insertion (a
@@ -1169,22 +1237,8 @@ impl Store {
             }
             r => r?,
         };
-        // Rows marking a pending operation, by their place in `stored_rows`.
-        let mut pending: Vec<usize> = Vec::new();
-        for (place, row) in stored_rows.iter().enumerate() {
-            let tenant: &str = row.try_get("inbox_tenant")?;
-            let id = row.try_get("inbox_id")?;
-            match row.try_get::<Option<String>, _>("thread_id")? {
-                Some(thread) => {
-                    threads.push((tenant.to_string(), thread));
-                    if row.try_get::<Option<&str>, _>("state")? == Some("pending") {
-                        pending.push(place);
-                    }
-                }
-                None => unmarked.push(id),
-            }
-            record_stored(&first, &mut stored, tenant, row.try_get("inbox_correlation_id")?, id);
-        }
+        let StoredRows { stored, mut threads, mut unmarked, pending } =
+            read_stored_rows(&stored_rows, &first, entries.len())?;
         let mut done = match stored.iter().copied().collect::<Option<Vec<i64>>>() {
             Some(ids) => {
                 let answers = handed_answers(&stored_rows, &pending, &threads, entries, &first);
@@ -1256,7 +1310,7 @@ impl Store {
         if !threads.is_empty() {
             self.signal_work();
         }
-        BatchInsert { results, threads, unmarked: Vec::new(), answers: Vec::new() }
+        BatchInsert { results, threads, unmarked: Vec::new(), answers: Vec::new(), applied: Vec::new() }
     }
 
     pub async fn list_inbox(&self, state: Option<&str>, limit: i64) -> Result<Vec<InboxEntry>, StoreError> {

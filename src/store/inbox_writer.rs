@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 
-use super::{InboxEntry, InboxInsert, Operation, Store, StoreError};
+use super::{AnswerSave, Applied, InboxEntry, InboxInsert, Operation, Store, StoreError};
 
 /// Largest number of callbacks in one transaction.
 pub const MAX_BATCH: usize = 256;
@@ -37,9 +37,14 @@ pub struct OwnedInboxEntry {
     pub received_at: i64,
 }
 
-/// Told the threads whose operations now have an answer waiting, and the
-/// answers handed on with their operations (`BatchInsert::answers`).
-type OnStored = Arc<dyn Fn(&[(String, String)], Vec<(InboxEntry, Operation)>) + Send + Sync>;
+/// Told the threads whose operations now have an answer waiting, the
+/// answers handed on with their operations (`BatchInsert::answers`) and
+/// those applied in the batch's commit (`BatchInsert::applied`).
+type OnStored = Arc<dyn Fn(&[(String, String)], Vec<(InboxEntry, Operation)>, Vec<Applied>) + Send + Sync>;
+
+/// Asked, on PostgreSQL, for the first save of each answer stored for a
+/// pending operation, made in the batch's own commit (decisions §36).
+pub type AnswerSaves = Arc<dyn Fn(&InboxEntry, &Operation) -> Option<AnswerSave> + Send + Sync>;
 
 type Job = (OwnedInboxEntry, oneshot::Sender<Result<InboxInsert, StoreError>>);
 
@@ -73,7 +78,7 @@ fn spawn_second_look(store: Store, on_stored: OnStored) -> mpsc::Sender<Vec<i64>
         while rx.recv_many(&mut queued, 64).await > 0 {
             let ids: Vec<i64> = queued.drain(..).flatten().collect();
             match store.mark_stored_unmarked(&ids).await {
-                Ok(threads) if !threads.is_empty() => on_stored(&threads, Vec::new()),
+                Ok(threads) if !threads.is_empty() => on_stored(&threads, Vec::new(), Vec::new()),
                 Ok(_) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot look again for the operations of stored callbacks")
@@ -102,6 +107,7 @@ struct Watch {
 struct Committer {
     store: Store,
     on_stored: OnStored,
+    first_saves: Option<AnswerSaves>,
     second_look: Option<mpsc::Sender<Vec<i64>>>,
 }
 
@@ -114,7 +120,8 @@ impl Committer {
 
     async fn commit(&self, jobs: &mut Vec<Job>) {
         let (entries, replies): (Vec<OwnedInboxEntry>, Vec<_>) = jobs.drain(..).unzip();
-        match self.store.insert_inbox_batch(&entries).await {
+        let first_saves = self.first_saves.as_deref().map(|f| f as super::FirstSaves<'_>);
+        match self.store.insert_inbox_batch_with(&entries, first_saves).await {
             Ok(mut batch) => {
                 // Committed, nothing acknowledged and no worker woken yet:
                 // a crash here leaves the callbacks to the next process
@@ -123,7 +130,11 @@ impl Committer {
                 // the process dies.
                 crate::fault::point("after_inbox_commit");
                 if !batch.threads.is_empty() {
-                    (self.on_stored)(&batch.threads, std::mem::take(&mut batch.answers));
+                    (self.on_stored)(
+                        &batch.threads,
+                        std::mem::take(&mut batch.answers),
+                        std::mem::take(&mut batch.applied),
+                    );
                 }
                 for (reply, r) in replies.into_iter().zip(batch.results) {
                     let _ = reply.send(Ok(r));
@@ -135,11 +146,16 @@ impl Committer {
             Err(e) if entries.len() > 1 => {
                 tracing::warn!(error = %e, batch = entries.len(), "inbox batch failed; retrying singly");
                 for (entry, reply) in entries.into_iter().zip(replies) {
-                    let mut r = self.store.insert_inbox_batch(std::slice::from_ref(&entry)).await;
+                    let mut r =
+                        self.store.insert_inbox_batch_with(std::slice::from_ref(&entry), first_saves).await;
                     if let Ok(b) = &mut r
                         && !b.threads.is_empty()
                     {
-                        (self.on_stored)(&b.threads, std::mem::take(&mut b.answers));
+                        (self.on_stored)(
+                            &b.threads,
+                            std::mem::take(&mut b.answers),
+                            std::mem::take(&mut b.applied),
+                        );
                     }
                     let unmarked = r.as_mut().map(|b| std::mem::take(&mut b.unmarked)).unwrap_or_default();
                     let _ = reply.send(r.map(|mut b| b.results.remove(0)));
@@ -209,17 +225,23 @@ impl InboxWriter {
     /// Starts the writer tasks. They end when every handle is dropped,
     /// after committing what was queued.
     /// `on_stored` gets the threads whose operations now have an answer
-    /// waiting, after the commit that holds it.
+    /// waiting, after the commit that holds it; `first_saves`, on
+    /// PostgreSQL, gives the answers' first saves the commit makes.
     pub fn start(
         store: Store,
-        on_stored: impl Fn(&[(String, String)], Vec<(InboxEntry, Operation)>) + Send + Sync + 'static,
+        on_stored: impl Fn(&[(String, String)], Vec<(InboxEntry, Operation)>, Vec<Applied>)
+        + Send
+        + Sync
+        + 'static,
+        first_saves: Option<AnswerSaves>,
     ) -> Self {
         let (tx, rx) = mpsc::channel::<Job>(MAX_BATCH * 4);
         let rx: Queue = Arc::new(Mutex::new(rx));
         let on_stored: OnStored = Arc::new(on_stored);
         let pg = store.is_postgres();
         let second_look = pg.then(|| spawn_second_look(store.clone(), Arc::clone(&on_stored)));
-        let committer = Committer { store, on_stored, second_look };
+        let first_saves = first_saves.filter(|_| pg);
+        let committer = Committer { store, on_stored, first_saves, second_look };
         if pg {
             let watch = Arc::new(Watch::default());
             tokio::spawn(standby_writer(committer.clone(), Arc::clone(&rx), Arc::clone(&watch)));

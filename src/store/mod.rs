@@ -7,6 +7,7 @@
 
 #[macro_use]
 mod db;
+mod inbox_apply;
 mod inbox_sqlite;
 mod inbox_writer;
 mod insights;
@@ -18,10 +19,10 @@ mod work_signal;
 #[cfg(test)]
 pub(crate) use db::test_support;
 pub use db::{BatchInsert, Store, ThreadWork};
-pub use inbox_writer::{InboxWriter, MAX_BATCH, OwnedInboxEntry};
+pub use inbox_writer::{AnswerSaves, InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use insights::{Activity, OperatorFilter};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, PusharyCall, Transition};
-pub use save::{LeaseWith, TakeLease};
+pub use save::{AnswerSave, Applied, FirstSaves, LeaseWith, TakeLease};
 pub use sqlite_group::WriterBusy;
 pub use work_signal::WORK_CHANNEL;
 

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 
 use super::StoreError;
 use super::db::{Backend, Store};
-use super::rows::{Operation, Transition};
+use super::rows::{InboxEntry, Operation, Transition};
 use crate::domain::state::State;
 
 /// The compare-and-set of the operation row. `inbox_at` (an answer waits
@@ -77,7 +77,7 @@ macro_rules! release_next_answer {
 
 mod postgres;
 mod sqlite;
-pub(super) use postgres::PgSaveQueue;
+pub(super) use postgres::{PgSaveQueue, make_function, refused_by_database, run_in};
 pub(super) use sqlite::SaveQueue;
 use std::sync::Arc;
 
@@ -283,6 +283,28 @@ macro_rules! bind_all {
     };
 }
 
+/// The values of a save of `op` (`bind_all!`): its transitions, and the
+/// inbox entry it settles (`(id, state, note)`).
+pub(super) fn save_values(
+    op: &Operation,
+    transitions: &[Transition],
+    inbox: Option<(i64, &str, Option<&str>)>,
+) -> Values {
+    let (deliveries, calls) = unrecorded_json(op);
+    let x = Extras {
+        clear_inbox_at: inbox.is_some(),
+        opened_now: op.state == State::Pending && op.decision_id.is_some(),
+        transitions: transitions_json(transitions),
+        deliveries,
+        calls,
+        release_next: op.resume_seq.is_some() && !op.unfinished(),
+        inbox_id: inbox.map(|i| i.0),
+        inbox_state: inbox.map(|i| i.1),
+        inbox_note: inbox.and_then(|i| i.2),
+    };
+    bind_all!(Values::default(), op, x)
+}
+
 impl Store {
     /// Records `op` (compare-and-set on its version) with its transitions,
     /// the inbox entry it consumed (`(id, state, note)`), and the calls and
@@ -330,26 +352,15 @@ impl Store {
         inbox: Option<(i64, &str, Option<&str>)>,
         lease: LeaseWith<'_>,
     ) -> Result<(bool, bool), StoreError> {
-        let (deliveries, calls) = unrecorded_json(op);
-        let x = Extras {
-            clear_inbox_at: inbox.is_some(),
-            opened_now: op.state == State::Pending && op.decision_id.is_some(),
-            transitions: transitions_json(transitions),
-            deliveries,
-            calls,
-            release_next: op.resume_seq.is_some() && !op.unfinished(),
-            inbox_id: inbox.map(|i| i.0),
-            inbox_state: inbox.map(|i| i.1),
-            inbox_note: inbox.and_then(|i| i.2),
-        };
+        let values = save_values(op, transitions, inbox);
         let (saved, released) = match &self.backend {
             Backend::Postgres(_) => {
                 let queue = self.pg_saves.as_ref().expect("a PostgreSQL store has a save queue");
-                queue.save(bind_all!(Values::default(), op, x).0, lease).await?
+                queue.save(values.0, lease).await?
             }
             Backend::Sqlite(_) => {
                 let queue = self.sqlite_saves.as_ref().expect("a SQLite store has a save queue");
-                (queue.save(bind_all!(Values::default(), op, x)).await?, false)
+                (queue.save(values).await?, false)
             }
         };
         op.unrecorded_delivery = None;
@@ -392,6 +403,33 @@ pub struct TakeLease<'a> {
     pub owner: &'a str,
     pub now: i64,
     pub until: i64,
+}
+
+/// An answer's first save made in the transaction that stores its
+/// callback, on PostgreSQL (decisions §36): the operation as the answer
+/// and the decision on it leave it, the transitions to record, the note
+/// that settles the answer's inbox row, and the thread's lease to take
+/// (`owner`, from `now` to `until`), refused as `TakeLease` is.
+#[derive(Debug, Clone)]
+pub struct AnswerSave {
+    pub op: Operation,
+    pub transitions: Vec<Transition>,
+    pub note: &'static str,
+    pub owner: String,
+    pub now: i64,
+    pub until: i64,
+}
+
+/// Asked by the inbox, for each answer it stores for a pending operation
+/// (one per thread of the batch), the save that applies it, if any.
+pub type FirstSaves<'a> = &'a (dyn Fn(&InboxEntry, &Operation) -> Option<AnswerSave> + Sync);
+
+/// An answer applied in its callback's commit: its entry as stored, and
+/// its save as made (the operation's version bumped; the lease taken).
+#[derive(Debug, Clone)]
+pub struct Applied {
+    pub entry: InboxEntry,
+    pub save: AnswerSave,
 }
 
 /// What the two engines' batch tests share: a save's values, and what a

@@ -2,6 +2,7 @@
 //! process its inbox entries in arrival order and drive its operations one
 //! step at a time; and the reconciler's sweeps.
 
+mod applied;
 mod claims;
 mod delivery;
 mod operator;
@@ -27,7 +28,7 @@ use claims::{Claim, Claims, Missed, ThreadKey};
 use crate::clock::now_ms;
 use crate::config::Config;
 use crate::pushary::PusharyClient;
-use crate::store::{InboxEntry, Operation, Store, StoreError, ThreadWork};
+use crate::store::{Applied, InboxEntry, Operation, Store, StoreError, ThreadWork};
 
 /// What a worker's visit to a thread carries from one step to the next.
 #[derive(Debug, Default)]
@@ -51,6 +52,18 @@ struct Visit {
 
 /// The most answers handed on that wait for their threads' next visit.
 const MAX_HANDED: usize = 4096;
+
+/// An answer the inbox hands on for its thread's next visit here.
+#[derive(Debug)]
+enum Handed {
+    /// Stored for a pending operation, with the operation as marked: the
+    /// visit applies it, its first save taking the lease (decisions §35).
+    Answer(Box<InboxEntry>, Operation),
+    /// Applied in its callback's commit, which took the lease for the
+    /// visit that goes on from it (§36). Never dropped unvisited: the
+    /// lease would keep the thread from everyone until it ran out.
+    Applied(Box<Applied>),
+}
 
 tokio::task_local! {
     static VISIT: RefCell<Visit>;
@@ -172,10 +185,9 @@ pub struct Engine {
     /// Threads with work, read from the store or named by whoever gave
     /// them work, not yet handed to a worker.
     candidates: std::sync::Mutex<VecDeque<ThreadKey>>,
-    /// Answers the inbox stored for pending operations, each with its
-    /// operation as marked, for the worker that takes the thread next
-    /// (PostgreSQL, decisions §35).
-    handed: std::sync::Mutex<HashMap<ThreadKey, (Box<InboxEntry>, Operation)>>,
+    /// Answers the inbox stored for pending operations, for the worker
+    /// that takes the thread next (PostgreSQL, decisions §35 and §36).
+    handed: std::sync::Mutex<HashMap<ThreadKey, Handed>>,
     /// The store may hold work that no candidate names: a worker that
     /// runs out of candidates reads the store only then (decisions §33).
     unread: AtomicBool,
@@ -298,22 +310,37 @@ impl Engine {
     /// effect (decisions §35). A thread held meanwhile is named again when
     /// let go, and its answer is then applied by the save's rules: a stale
     /// one (the answer applied since) changes nothing.
-    pub fn stored(&self, threads: &[ThreadKey], answers: Vec<(InboxEntry, Operation)>) {
-        if !answers.is_empty() && self.workers_here.load(Ordering::SeqCst) {
+    /// `applied`: answers applied in the commit that stored them, each
+    /// holding its thread's lease for the visit that goes on from it
+    /// (decisions §36).
+    pub fn stored(
+        &self,
+        threads: &[ThreadKey],
+        answers: Vec<(InboxEntry, Operation)>,
+        applied: Vec<Applied>,
+    ) {
+        if (!answers.is_empty() || !applied.is_empty()) && self.workers_here.load(Ordering::SeqCst) {
             let mut handed = self.handed_lock();
+            // Not bounded: `first_save` makes none past the bound.
+            for a in applied {
+                let key = (a.save.op.tenant.clone(), a.save.op.thread_id.clone());
+                handed.insert(key, Handed::Applied(Box::new(a)));
+            }
             for (entry, op) in answers {
                 // Bounded: an entry goes when its thread is next visited
                 // here, and one whose thread another replica holds may wait
                 // long for that. Past the bound, answers are read instead.
-                if handed.len() < MAX_HANDED {
-                    handed.insert((op.tenant.clone(), op.thread_id.clone()), (Box::new(entry), op));
+                // One applied already holds the thread's lease, and stays.
+                let key = (op.tenant.clone(), op.thread_id.clone());
+                if handed.len() < MAX_HANDED && !matches!(handed.get(&key), Some(Handed::Applied(_))) {
+                    handed.insert(key, Handed::Answer(Box::new(entry), op));
                 }
             }
         }
         self.offer(threads);
     }
 
-    fn handed_lock(&self) -> std::sync::MutexGuard<'_, HashMap<ThreadKey, (Box<InboxEntry>, Operation)>> {
+    fn handed_lock(&self) -> std::sync::MutexGuard<'_, HashMap<ThreadKey, Handed>> {
         self.handed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -395,7 +422,7 @@ impl Engine {
     /// candidates run out even if nothing says it holds any.
     async fn visit_next(&self, read_store: bool) -> Result<bool, StoreError> {
         let turn = self.next_owner.fetch_add(1, Ordering::Relaxed);
-        let owner = format!("{}/{turn}", self.owner);
+        let mut owner = format!("{}/{turn}", self.owner);
         let mut refilled = false;
         loop {
             let Some((claim, more)) = self.next_candidate(&mut refilled, read_store).await? else {
@@ -412,7 +439,22 @@ impl Engine {
             // An answer handed on: applied at once, its first save taking
             // the lease; refused, the thread is taken as any other.
             let mut carried = None;
-            if let Some((entry, op)) = handed {
+            if let Some(Handed::Applied(applied)) = handed {
+                // Applied in its callback's commit, which took the lease
+                // for this visit (decisions §36).
+                owner.clone_from(&applied.save.owner);
+                match self.go_on_from_applied(*applied).await {
+                    Ok(Some(v)) => carried = Some(v),
+                    // The lease ran out before a worker came, and is
+                    // another's: the thread is its now.
+                    Ok(None) => continue,
+                    Err(e) => {
+                        let _ = self.store.release_lease(&tenant, &thread, &owner).await;
+                        self.let_go(claim);
+                        return Err(e);
+                    }
+                }
+            } else if let Some(Handed::Answer(entry, op)) = handed {
                 let visit = Visit { lease_owner: Some(owner.clone()), taking: true, ..Visit::default() };
                 let first = VISIT
                     .scope(RefCell::new(visit), async {
@@ -452,7 +494,25 @@ impl Engine {
                     // work from the store's signal, and applies any answer
                     // handed on for the thread meanwhile from the store.
                     Ok(None) => {
-                        self.handed_lock().remove(claim.key());
+                        // Not an answer applied since this visit looked
+                        // (the lease it found is the one its commit took
+                        // for this process): the thread goes to the
+                        // workers again, for the visit that goes on from it.
+                        let applied = {
+                            let mut handed = self.handed_lock();
+                            match handed.get(claim.key()) {
+                                Some(Handed::Applied(_)) => true,
+                                Some(Handed::Answer(..)) => {
+                                    handed.remove(claim.key());
+                                    false
+                                }
+                                None => false,
+                            }
+                        };
+                        if applied {
+                            drop(claim);
+                            self.offer(&[(tenant, thread)]);
+                        }
                         continue;
                     }
                     Err(e) => {

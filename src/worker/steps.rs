@@ -84,6 +84,119 @@ pub(crate) fn needs_work(op: &Operation) -> bool {
         || op.receipt.as_deref() == Some("pending")
 }
 
+/// What the step that applies an answer does after its first save.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Then {
+    /// Nothing more in this step: the save was all of it.
+    Saved,
+    /// Spend the permit, the attempt recorded by the save (`Engine::consume`).
+    Consume { earlier_unknown: bool },
+}
+
+/// `op`, pending, as the answer `entry` leaves it, with its transition
+/// and the note that settles the entry. `held_back`: an earlier answer of
+/// the thread still has resume work, so this one waits for it.
+pub(crate) fn answer_operation(
+    entry: &InboxEntry,
+    mut op: Operation,
+    held_back: bool,
+) -> (Operation, Transition, &'static str) {
+    let now = now_ms();
+    let early = op.opened_at.is_some_and(|opened| entry.received_at < opened);
+    let note = if early { "early answer: arrived before the decision id was recorded" } else { "matched" };
+    op.answer = Some(entry.answer.clone());
+    let t = if now >= op.deadline {
+        reject(
+            &mut op,
+            State::Expired,
+            format!("answer arrived via {} after the deadline", entry.source),
+            ACTOR,
+        )
+    } else {
+        op.due_at = Some(now);
+        transition(&mut op, State::Answered, format!("answer received via {}", entry.source), ACTOR)
+    };
+    op.poll_at = None;
+    op.resume_seq = Some(entry.id);
+    if held_back {
+        op.due_at = None;
+    }
+    (op, t, note)
+}
+
+/// The decision on `op`'s answer, in memory, with `pending` (transitions
+/// made in memory before it) and what follows its save: a rejection or a
+/// data answer is saved and done; an approval records its attempt to spend
+/// the permit (`consume_inflight`) before the call.
+pub(crate) fn decide_in_memory(
+    mut op: Operation,
+    mut pending: Vec<Transition>,
+) -> (Operation, Vec<Transition>, Then) {
+    let answer = op.answer.clone().unwrap_or_default();
+    let options = op.spec.options.clone().unwrap_or_default();
+    let then = match answer::validate(op.decision_type, &options, &answer) {
+        Verdict::Invalid(why) => {
+            pending.push(reject(&mut op, State::Invalid, format!("invalid answer: {why}"), ACTOR));
+            Then::Saved
+        }
+        Verdict::Denied => {
+            pending.push(reject(&mut op, State::Denied, "the recipient answered no", ACTOR));
+            Then::Saved
+        }
+        Verdict::Data => {
+            let t = transition(&mut op, State::Delivering, "answer is data; delivering it", ACTOR);
+            op.outcome_status = Some(OutcomeStatus::Answered.as_str().into());
+            op.delivery = Some("pending".into());
+            op.attempts = 0;
+            op.due_at = Some(op.updated_at);
+            pending.push(t);
+            Then::Saved
+        }
+        Verdict::Approved => {
+            let now = now_ms();
+            if now >= op.deadline {
+                pending.push(reject(
+                    &mut op,
+                    State::Expired,
+                    "deadline passed before the permit was consumed",
+                    ACTOR,
+                ));
+                Then::Saved
+            } else {
+                // Whether an earlier attempt may have spent the permit
+                // without us learning of it (lost response, or a crash
+                // mid-call).
+                let earlier_unknown = op.consume_inflight;
+                op.consume_inflight = true;
+                op.consume_attempts += 1;
+                op.updated_at = now;
+                Then::Consume { earlier_unknown }
+            }
+        }
+    };
+    (op, pending, then)
+}
+
+/// The first save of the answer `entry` to `op` when the inbox stores it
+/// (decisions §36): `op` as the answer and the decision on it leave it,
+/// the transitions to record, the note that settles the entry, and what
+/// follows the save. None unless `op` is pending: a stale answer is left
+/// to a worker, which records that it changed nothing.
+pub(crate) fn first_save_of_answer(
+    entry: &InboxEntry,
+    op: Operation,
+) -> Option<(Operation, Vec<Transition>, &'static str, Then)> {
+    if op.state != State::Pending {
+        return None;
+    }
+    let (op, t, note) = answer_operation(entry, op, false);
+    if op.state != State::Answered {
+        return Some((op, vec![t], note, Then::Saved));
+    }
+    let (op, pending, then) = decide_in_memory(op, vec![t]);
+    Some((op, pending, note, then))
+}
+
 impl Engine {
     /// Saves a step of an operation on the thread this worker holds
     /// (`Store::save_held`): `work_thread` goes on with what the save left
@@ -140,38 +253,16 @@ impl Engine {
     async fn apply_answer_inner(
         &self,
         entry: InboxEntry,
-        mut op: Operation,
+        op: Operation,
         held_back: bool,
     ) -> Result<(), StoreError> {
-        let now = now_ms();
         if op.state != State::Pending {
             // Already answered, expired or cancelled: the callback changes nothing.
             let note = format!("operation already {}; nothing changed", op.state);
             tracing::info!(operation_id = %op.id, thread_id = %op.thread_id, correlation_id = %entry.correlation_id, "{note}");
-            return self.store.settle_inbox(entry.id, "ignored", &note, Some(&op.id), now).await;
+            return self.store.settle_inbox(entry.id, "ignored", &note, Some(&op.id), now_ms()).await;
         }
-        let early = op.opened_at.is_some_and(|opened| entry.received_at < opened);
-        let note =
-            if early { "early answer: arrived before the decision id was recorded" } else { "matched" };
-        let t = if now >= op.deadline {
-            op.answer = Some(entry.answer.clone());
-            reject(
-                &mut op,
-                State::Expired,
-                format!("answer arrived via {} after the deadline", entry.source),
-                ACTOR,
-            )
-        } else {
-            op.answer = Some(entry.answer.clone());
-            op.poll_at = None;
-            op.due_at = Some(now);
-            transition(&mut op, State::Answered, format!("answer received via {}", entry.source), ACTOR)
-        };
-        op.poll_at = None;
-        op.resume_seq = Some(entry.id);
-        if held_back {
-            op.due_at = None;
-        }
+        let (mut op, t, note) = answer_operation(&entry, op, held_back);
         let applying = Applying { inbox_id: entry.id, note };
         if op.state == State::Answered && !held_back {
             // Decided at once: nothing happens outside between applying the
@@ -287,57 +378,25 @@ impl Engine {
     /// `applying`: the answer being applied, settled by that save.
     async fn decide(
         &self,
-        mut op: Operation,
-        mut pending: Vec<Transition>,
+        op: Operation,
+        pending: Vec<Transition>,
         applying: Option<&Applying<'_>>,
     ) -> Result<(), StoreError> {
-        let answer = op.answer.clone().unwrap_or_default();
-        let options = op.spec.options.clone().unwrap_or_default();
-        match answer::validate(op.decision_type, &options, &answer) {
-            Verdict::Invalid(why) => {
-                pending.push(reject(&mut op, State::Invalid, format!("invalid answer: {why}"), ACTOR));
-                self.save_first(&mut op, &pending, applying).await?;
-            }
-            Verdict::Denied => {
-                pending.push(reject(&mut op, State::Denied, "the recipient answered no", ACTOR));
-                self.save_first(&mut op, &pending, applying).await?;
-            }
-            Verdict::Data => {
-                let t = transition(&mut op, State::Delivering, "answer is data; delivering it", ACTOR);
-                op.outcome_status = Some(OutcomeStatus::Answered.as_str().into());
-                op.delivery = Some("pending".into());
-                op.attempts = 0;
-                op.due_at = Some(op.updated_at);
-                pending.push(t);
-                self.save_first(&mut op, &pending, applying).await?;
-            }
-            Verdict::Approved => self.consume(op, pending, applying).await?,
-        }
-        Ok(())
-    }
-
-    async fn consume(
-        &self,
-        mut op: Operation,
-        mut pending: Vec<Transition>,
-        applying: Option<&Applying<'_>>,
-    ) -> Result<(), StoreError> {
-        let now = now_ms();
-        if now >= op.deadline {
-            let t = reject(&mut op, State::Expired, "deadline passed before the permit was consumed", ACTOR);
-            pending.push(t);
-            self.save_first(&mut op, &pending, applying).await?;
-            return Ok(());
-        }
-        // Whether an earlier attempt may have spent the permit without us
-        // learning of it (lost response, or a crash mid-call).
-        let earlier_unknown = op.consume_inflight;
-        op.consume_inflight = true;
-        op.consume_attempts += 1;
-        op.updated_at = now;
+        let (mut op, pending, then) = decide_in_memory(op, pending);
         if !self.save_first(&mut op, &pending, applying).await? {
             return Ok(());
         }
+        match then {
+            Then::Consume { earlier_unknown } => self.consume(op, earlier_unknown).await,
+            Then::Saved => Ok(()),
+        }
+    }
+
+    /// Spends the permit, its attempt recorded (`consume_inflight`), and
+    /// goes on to the delivery. `earlier_unknown`: an earlier attempt may
+    /// have spent it without our learning of it (a lost response, or a
+    /// crash mid-call).
+    pub(crate) async fn consume(&self, mut op: Operation, earlier_unknown: bool) -> Result<(), StoreError> {
         crate::fault::point("after_consume_inflight_recorded");
         let clock = CallClock::start();
         let result = match self.pushary(&op.tenant) {

@@ -386,7 +386,7 @@ async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
             .await
             .expect("reads")
     };
-    engine.stored(&batch.threads, batch.answers.clone());
+    engine.stored(&batch.threads, batch.answers.clone(), Vec::new());
     assert!(!engine.visit_next(false).await.expect("visits"), "passed by: the lease is another's");
     assert_eq!(state().await, ("pending".to_owned(), None, 0));
     let owners: Vec<String> =
@@ -395,7 +395,7 @@ async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
     assert!(engine.handed_lock().is_empty(), "taken by the visit");
 
     sqlx::query("DELETE FROM thread_leases").execute(&pool).await.expect("let go");
-    engine.stored(&batch.threads, batch.answers.clone());
+    engine.stored(&batch.threads, batch.answers.clone(), Vec::new());
     assert!(engine.visit_next(false).await.expect("visits"));
     let (expired, answer, version) = state().await;
     assert_eq!((expired.as_str(), answer.as_deref()), ("expired", Some("handed")));
@@ -403,7 +403,7 @@ async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
         sqlx::query_scalar("SELECT owner FROM thread_leases").fetch_all(&pool).await.expect("reads");
     assert!(owners.is_empty(), "the visit gave the lease it took up: {owners:?}");
 
-    engine.stored(&batch.threads, batch.answers);
+    engine.stored(&batch.threads, batch.answers, Vec::new());
     engine.visit_next(false).await.expect("visits");
     assert_eq!(state().await.2, version, "a stale answer changes nothing");
     assert!(leases(&pool).await.is_empty(), "and leaves no lease");

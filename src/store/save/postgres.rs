@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{Map, Value};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
 
 use super::SaveValue;
@@ -569,11 +569,14 @@ fn operation_id(values: &[SaveValue]) -> Option<&str> {
 /// internal error (XX): the session may have ended after the commit.
 fn refused(e: &sqlx::Error) -> bool {
     match e {
-        sqlx::Error::Database(db) => {
-            !db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c.starts_with("XX"))
-        }
+        sqlx::Error::Database(db) => refused_by_database(db.as_ref()),
         _ => false,
     }
+}
+
+/// `refused`, for an error PostgreSQL answered.
+pub(crate) fn refused_by_database(db: &dyn sqlx::error::DatabaseError) -> bool {
+    !db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P") || c.starts_with("XX"))
 }
 
 /// Runs `rows` as one statement: whether each took, and whether the lease
@@ -584,19 +587,35 @@ async fn execute(
     rows: &[&[SaveValue]],
     leases: &[LeaseWith<'_>],
 ) -> Result<Vec<(bool, bool)>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    match run_in(&mut conn, rows, leases).await {
+        Err(sqlx::Error::Database(e)) if crate::store::db::is_missing_temp_function(e.as_ref()) => {
+            make_function(&mut conn).await?;
+            run_in(&mut conn, rows, leases).await
+        }
+        other => other,
+    }
+}
+
+/// Makes the batch function on `conn`, which has none yet.
+pub(crate) async fn make_function(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(setup())).execute(conn).await.map(|_| ())
+}
+
+/// `execute` on `conn`, which may be in a transaction: a connection
+/// without the function fails (`is_missing_temp_function`), and its
+/// transaction with it.
+pub(crate) async fn run_in(
+    conn: &mut PgConnection,
+    rows: &[&[SaveValue]],
+    leases: &[LeaseWith<'_>],
+) -> Result<Vec<(bool, bool)>, sqlx::Error> {
     let batch = batch_json(rows, leases);
     let carries = carries(rows)
         | if leases.iter().any(|l| l.release.is_some()) { RELEASE } else { 0 }
         | if leases.iter().any(|l| l.take.is_some()) { TAKE } else { 0 };
-    let run = || sqlx::query_as::<_, (i64, bool)>(BATCH).bind(&batch).bind(carries);
-    let mut conn = pool.acquire().await?;
-    let returned = match run().fetch_all(&mut *conn).await {
-        Err(sqlx::Error::Database(e)) if crate::store::db::is_missing_temp_function(e.as_ref()) => {
-            sqlx::raw_sql(sqlx::AssertSqlSafe(setup())).execute(&mut *conn).await?;
-            run().fetch_all(&mut *conn).await?
-        }
-        other => other?,
-    };
+    let returned =
+        sqlx::query_as::<_, (i64, bool)>(BATCH).bind(&batch).bind(carries).fetch_all(&mut *conn).await?;
     let mut saved = vec![(false, false); rows.len()];
     for (seq, gave_up) in returned {
         if let Some(s) = usize::try_from(seq).ok().and_then(|i| saved.get_mut(i)) {

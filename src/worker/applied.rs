@@ -1,0 +1,91 @@
+//! PostgreSQL: an answer's first save made in the commit that stores its
+//! callback, and the visit that goes on from it (decisions §36).
+
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+
+use tracing::Instrument as _;
+
+use super::{Engine, MAX_HANDED, VISIT, Visit, due_next, steps};
+use crate::clock::now_ms;
+use crate::domain::state::State;
+use crate::store::{AnswerSave, Applied, InboxEntry, Operation, StoreError};
+
+impl Engine {
+    /// The first save of `entry`'s answer to `op` (pending, as the inbox's
+    /// statement marked it), for the inbox to make in the commit that
+    /// stores the answer: the answer applied and decided on in memory,
+    /// with the thread's lease for a visit of this process, which goes on
+    /// from it (`go_on_from_applied`). None where no workers run here,
+    /// where too many answers wait for their visits already, and where
+    /// the worker's own rules apply: an operation no longer pending, or an
+    /// attempt to spend its permit on record. A save that does not take
+    /// changed nothing; the transitions this logs were then not made, and
+    /// the visit that reads the thread logs what it does instead.
+    pub fn first_save(&self, entry: &InboxEntry, op: &Operation) -> Option<AnswerSave> {
+        if !self.workers_here.load(Ordering::SeqCst)
+            || op.consume_inflight
+            || self.handed_lock().len() >= MAX_HANDED
+        {
+            return None;
+        }
+        let span = tracing::info_span!("resume", operation_id = %op.id, thread_id = %op.thread_id,
+            correlation_id = %entry.correlation_id, inbox_id = entry.id);
+        let _entered = span.enter();
+        let (op, transitions, note, _) = steps::first_save_of_answer(entry, op.clone())?;
+        let turn = self.next_owner.fetch_add(1, Ordering::Relaxed);
+        let now = now_ms();
+        Some(AnswerSave {
+            op,
+            transitions,
+            note,
+            owner: format!("{}/{turn}", self.owner),
+            now,
+            until: now + self.settings.lease_ms,
+        })
+    }
+
+    /// Goes on from an answer applied in its callback's commit, holding the
+    /// lease that commit took: spends the permit if the save recorded the
+    /// attempt, or leaves the step it saved to the visit. Returns the
+    /// visit as it then stands, or None if the lease ran out before a
+    /// worker came and is another's now. A third of the lease gone, it is
+    /// renewed first, as a visit renews it before each step.
+    pub(super) async fn go_on_from_applied(&self, applied: Applied) -> Result<Option<Visit>, StoreError> {
+        let Applied { entry, save } = applied;
+        let AnswerSave { op, owner, now: took_at, .. } = save;
+        let now = now_ms();
+        let leased_at = if now - took_at >= self.settings.lease_ms / 3 {
+            let renewed = self
+                .store
+                .renew_lease(&op.tenant, &op.thread_id, &owner, now + self.settings.lease_ms)
+                .await?;
+            if !renewed {
+                tracing::warn!(tenant = %op.tenant, thread_id = %op.thread_id,
+                    "the lease of an applied answer ran out before a worker came; leaving the thread to its new owner");
+                return Ok(None);
+            }
+            now
+        } else {
+            took_at
+        };
+        let span = tracing::info_span!("resume", operation_id = %op.id, thread_id = %op.thread_id,
+            correlation_id = %entry.correlation_id, inbox_id = entry.id);
+        let visit = Visit { lease_owner: Some(owner), took_at: Some(leased_at), ..Visit::default() };
+        let went_on = async {
+            tracing::info!(state = %op.state, "answer applied");
+            self.metrics.inc("approvald_resumes_total", &[("state", op.state.as_str())]);
+            if op.state == State::Answered && op.consume_inflight {
+                // `first_save` makes none over an attempt on record.
+                self.consume(op, false).await?;
+            } else {
+                if let Some(at) = op.due_at {
+                    self.scheduled(at);
+                }
+                due_next(&op);
+            }
+            Ok::<_, StoreError>(VISIT.with(|v| std::mem::take(&mut *v.borrow_mut())))
+        };
+        VISIT.scope(RefCell::new(visit), went_on.instrument(span)).await.map(Some)
+    }
+}
