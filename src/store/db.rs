@@ -1209,18 +1209,23 @@ impl Store {
             // The answers' first saves commit with their callbacks
             // (decisions §36); a batch that cannot (a repeat, a save
             // PostgreSQL refused) is stored as below, its answers handed on.
-            let mut tx = conn.begin().await?;
-            match query(true).fetch_all(&mut *tx).await {
-                Ok(rows) => match self.commit_applying(tx, &rows, entries, &first, first_saves).await? {
-                    super::inbox_apply::Applying::Done(done) => return Ok(done),
-                    super::inbox_apply::Applying::Again { make_function } => {
-                        if make_function {
+            // Once more on a connection that lacked the save function.
+            for _ in 0..2 {
+                let mut tx = conn.begin().await?;
+                match query(true).fetch_all(&mut *tx).await {
+                    Ok(rows) => match self.commit_applying(tx, &rows, entries, &first, first_saves).await? {
+                        super::inbox_apply::Applying::Done(done) => return Ok(done),
+                        super::inbox_apply::Applying::Again { make_function: true } => {
                             super::save::make_function(&mut conn).await?;
                         }
+                        super::inbox_apply::Applying::Again { make_function: false } => break,
+                    },
+                    Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                        tx.rollback().await?;
+                        break;
                     }
-                },
-                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => tx.rollback().await?,
-                Err(e) => return Err(e.into()),
+                    Err(e) => return Err(e.into()),
+                }
             }
         }
         // The insert is a statement of its own; the repeats (rare) get a

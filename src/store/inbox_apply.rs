@@ -80,6 +80,9 @@ impl Store {
                 Ok(saved) => saved,
                 Err(sqlx::Error::Database(e)) if super::save::refused_by_database(e.as_ref()) => {
                     let make_function = super::db::is_missing_temp_function(e.as_ref());
+                    if !make_function {
+                        tracing::warn!(error = %e, "the answers' first saves were refused; the batch is stored without them");
+                    }
                     tx.rollback().await?;
                     return Ok(Applying::Again { make_function });
                 }

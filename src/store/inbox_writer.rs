@@ -108,6 +108,12 @@ struct Committer {
     store: Store,
     on_stored: OnStored,
     first_saves: Option<AnswerSaves>,
+    /// The last batch stored answers for pending operations: the next
+    /// makes their first saves in its transaction (decisions §36). A batch
+    /// of callbacks for which none is pending (a flood of strays, the
+    /// bench's ingest) is its one statement again, without the
+    /// transaction's two round trips on the writer's way to its next.
+    answers_seen: Arc<AtomicBool>,
     second_look: Option<mpsc::Sender<Vec<i64>>>,
 }
 
@@ -120,7 +126,11 @@ impl Committer {
 
     async fn commit(&self, jobs: &mut Vec<Job>) {
         let (entries, replies): (Vec<OwnedInboxEntry>, Vec<_>) = jobs.drain(..).unzip();
-        let first_saves = self.first_saves.as_deref().map(|f| f as super::FirstSaves<'_>);
+        let first_saves = self
+            .first_saves
+            .as_deref()
+            .filter(|_| self.answers_seen.load(Ordering::Relaxed))
+            .map(|f| f as super::FirstSaves<'_>);
         match self.store.insert_inbox_batch_with(&entries, first_saves).await {
             Ok(mut batch) => {
                 // Committed, nothing acknowledged and no worker woken yet:
@@ -129,6 +139,8 @@ impl Committer {
                 // that no worker of this process has begun on them when
                 // the process dies.
                 crate::fault::point("after_inbox_commit");
+                self.answers_seen
+                    .store(!batch.answers.is_empty() || !batch.applied.is_empty(), Ordering::Relaxed);
                 if !batch.threads.is_empty() {
                     (self.on_stored)(
                         &batch.threads,
@@ -241,7 +253,8 @@ impl InboxWriter {
         let pg = store.is_postgres();
         let second_look = pg.then(|| spawn_second_look(store.clone(), Arc::clone(&on_stored)));
         let first_saves = first_saves.filter(|_| pg);
-        let committer = Committer { store, on_stored, first_saves, second_look };
+        let answers_seen = Arc::new(AtomicBool::new(true));
+        let committer = Committer { store, on_stored, first_saves, answers_seen, second_look };
         if pg {
             let watch = Arc::new(Watch::default());
             tokio::spawn(standby_writer(committer.clone(), Arc::clone(&rx), Arc::clone(&watch)));

@@ -58,7 +58,7 @@ const MAX_HANDED: usize = 4096;
 enum Handed {
     /// Stored for a pending operation, with the operation as marked: the
     /// visit applies it, its first save taking the lease (decisions §35).
-    Answer(Box<InboxEntry>, Operation),
+    Answer(Box<(InboxEntry, Operation)>),
     /// Applied in its callback's commit, which took the lease for the
     /// visit that goes on from it (§36). Never dropped unvisited: the
     /// lease would keep the thread from everyone until it ran out.
@@ -333,7 +333,7 @@ impl Engine {
                 // One applied already holds the thread's lease, and stays.
                 let key = (op.tenant.clone(), op.thread_id.clone());
                 if handed.len() < MAX_HANDED && !matches!(handed.get(&key), Some(Handed::Applied(_))) {
-                    handed.insert(key, Handed::Answer(Box::new(entry), op));
+                    handed.insert(key, Handed::Answer(Box::new((entry, op))));
                 }
             }
         }
@@ -454,11 +454,12 @@ impl Engine {
                         return Err(e);
                     }
                 }
-            } else if let Some(Handed::Answer(entry, op)) = handed {
+            } else if let Some(Handed::Answer(answer)) = handed {
+                let (entry, op) = *answer;
                 let visit = Visit { lease_owner: Some(owner.clone()), taking: true, ..Visit::default() };
                 let first = VISIT
                     .scope(RefCell::new(visit), async {
-                        let applied = self.apply_answer(*entry, op, false).await;
+                        let applied = self.apply_answer(entry, op, false).await;
                         applied.map(|()| VISIT.with(|v| std::mem::take(&mut *v.borrow_mut())))
                     })
                     .await;
@@ -502,7 +503,7 @@ impl Engine {
                             let mut handed = self.handed_lock();
                             match handed.get(claim.key()) {
                                 Some(Handed::Applied(_)) => true,
-                                Some(Handed::Answer(..)) => {
+                                Some(Handed::Answer(_)) => {
                                     handed.remove(claim.key());
                                     false
                                 }

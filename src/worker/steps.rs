@@ -639,3 +639,166 @@ pub(crate) fn consume_body(op: &Operation) -> Value {
     }
     Value::Object(body)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::answer::DecisionType;
+
+    fn pending(decision_type: DecisionType, deadline: i64) -> Operation {
+        let body = json!({"operationKey": "k", "threadId": "th", "interruptId": "i", "effect": "orders",
+            "externalId": "u", "question": "Proceed?", "toolName": "ship", "parameters": {},
+            "type": decision_type.as_str(), "options": ["red", "blue"]});
+        let limits = crate::domain::operation::Limits { max_expires_in_secs: 3600 };
+        let body = match decision_type {
+            DecisionType::Select => body,
+            _ => {
+                let mut b = body;
+                b.as_object_mut().expect("an object").remove("options");
+                b
+            }
+        };
+        let spec = crate::domain::operation::parse(&body, limits, 0).expect("a valid body");
+        Operation {
+            id: "op-1".into(),
+            tenant: "t".into(),
+            operation_key: "k".into(),
+            fingerprint: "f".into(),
+            thread_id: "th".into(),
+            interrupt_id: "i".into(),
+            effect: "orders".into(),
+            decision_type,
+            spec,
+            decision_request: json!({}),
+            state: State::Pending,
+            decision_id: Some("dec-1".into()),
+            answer: None,
+            permit_id: None,
+            delivery: None,
+            outcome_status: None,
+            idempotency_key: "ik".into(),
+            result: None,
+            receipt: None,
+            receipt_outcome: None,
+            consume_inflight: false,
+            consume_attempts: 0,
+            delivery_inflight: false,
+            attempts: 0,
+            last_error: None,
+            due_at: None,
+            deadline,
+            poll_at: Some(5),
+            resume_seq: None,
+            opened_at: Some(10),
+            created_at: 1,
+            updated_at: 1,
+            version: 3,
+            unrecorded_delivery: None,
+            unrecorded_calls: Vec::new(),
+        }
+    }
+
+    fn entry(answer: &str, received_at: i64) -> InboxEntry {
+        InboxEntry {
+            id: 42,
+            tenant: "t".into(),
+            correlation_id: "dec-1".into(),
+            answer: answer.into(),
+            answered_at: None,
+            source: "callback".into(),
+            state: "new".into(),
+            received_at,
+            duplicates: 0,
+            operation_id: None,
+            processed_at: None,
+            note: None,
+        }
+    }
+
+    const LATER: i64 = i64::MAX / 2;
+
+    #[test]
+    fn an_approval_records_its_attempt_to_spend_the_permit_before_the_call() {
+        let (op, ts, note, then) =
+            first_save_of_answer(&entry("yes", 20), pending(DecisionType::Confirm, LATER)).expect("pending");
+        assert_eq!(then, Then::Consume { earlier_unknown: false });
+        assert_eq!((op.state, op.consume_inflight, op.consume_attempts), (State::Answered, true, 1));
+        assert_eq!((op.answer.as_deref(), op.resume_seq, op.poll_at), (Some("yes"), Some(42), None));
+        assert!(op.due_at.is_some(), "due, should the call be cut short by a crash");
+        assert_eq!(ts.iter().map(|t| t.to.as_str()).collect::<Vec<_>>(), ["answered"]);
+        assert_eq!(note, "matched");
+        assert_eq!(op.version, 3, "the save bumps it, not the decision");
+    }
+
+    #[test]
+    fn a_rejection_or_a_data_answer_is_all_of_its_step() {
+        let cases = [
+            (DecisionType::Confirm, "no", State::Denied, Some("pending")),
+            (DecisionType::Confirm, "maybe", State::Invalid, Some("pending")),
+            (DecisionType::Select, "red", State::Delivering, Some("pending")),
+            (DecisionType::Select, "green", State::Invalid, Some("pending")),
+            (DecisionType::Input, "ship it", State::Delivering, Some("pending")),
+        ];
+        for (kind, answer, to, delivery) in cases {
+            let (op, ts, _, then) =
+                first_save_of_answer(&entry(answer, 20), pending(kind, LATER)).expect("pending");
+            assert_eq!(then, Then::Saved, "{answer}");
+            assert_eq!(
+                (op.state, op.delivery.as_deref(), op.consume_inflight),
+                (to, delivery, false),
+                "{answer}"
+            );
+            assert_eq!(
+                ts.iter().map(|t| t.to.as_str()).collect::<Vec<_>>(),
+                ["answered", to.as_str()],
+                "{answer}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_answer_after_the_deadline_expires_the_operation() {
+        let (op, ts, _, then) =
+            first_save_of_answer(&entry("yes", 20), pending(DecisionType::Confirm, 9)).expect("pending");
+        assert_eq!((op.state, then, op.consume_inflight), (State::Expired, Then::Saved, false));
+        assert_eq!(op.answer.as_deref(), Some("yes"), "kept for the record");
+        assert_eq!(ts.len(), 1);
+    }
+
+    #[test]
+    fn an_answer_before_the_decision_id_was_recorded_is_noted_early() {
+        let (_, _, note, _) =
+            first_save_of_answer(&entry("yes", 5), pending(DecisionType::Confirm, LATER)).expect("pending");
+        assert_eq!(note, "early answer: arrived before the decision id was recorded");
+    }
+
+    #[test]
+    fn only_a_pending_operation_is_answered() {
+        for state in [State::Enqueued, State::Answered, State::Expired, State::Cancelled, State::Succeeded] {
+            let mut op = pending(DecisionType::Confirm, LATER);
+            op.state = state;
+            assert!(first_save_of_answer(&entry("yes", 20), op).is_none(), "{state}");
+        }
+    }
+
+    #[test]
+    fn a_held_back_answer_waits_for_the_one_before_it() {
+        let (op, t, _) = answer_operation(&entry("yes", 20), pending(DecisionType::Confirm, LATER), true);
+        assert_eq!((op.state, op.due_at, t.to.as_str()), (State::Answered, None, "answered"));
+        let (op, _, _) = answer_operation(&entry("yes", 20), pending(DecisionType::Confirm, LATER), false);
+        assert!(op.due_at.is_some());
+    }
+
+    #[test]
+    fn a_second_attempt_to_spend_the_permit_knows_of_the_first() {
+        let mut op = pending(DecisionType::Confirm, LATER);
+        op.state = State::Answered;
+        op.answer = Some("yes".into());
+        op.consume_inflight = true;
+        op.consume_attempts = 1;
+        let (op, ts, then) = decide_in_memory(op, Vec::new());
+        assert_eq!(then, Then::Consume { earlier_unknown: true });
+        assert_eq!(op.consume_attempts, 2);
+        assert!(ts.is_empty());
+    }
+}

@@ -415,3 +415,113 @@ async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
     drop(engine);
     db.drop().await;
 }
+
+// An answer's first save commits with its callback (decisions §36): the
+// batch that stores two answers applies the one whose thread is free, its
+// save taking the lease for the visit that goes on from it, and leaves the
+// one whose thread is leased elsewhere stored and waiting, as a plain
+// batch would; the visit then goes on from the applied answer without
+// applying it again.
+#[tokio::test]
+async fn an_answer_is_applied_in_the_commit_that_stores_it() {
+    let Some((db, pool, engine)) = pg_engine("worker::tests::an_answer_is_applied_in_the_commit", &[]).await
+    else {
+        return;
+    };
+    pg_due_finished_at(&pool, &[("op-1", "free"), ("op-2", "held")], 1).await;
+    // Pending, their deadlines passed: each answer expires its operation
+    // with one save, and no call leaves the process.
+    sqlx::query(
+        "UPDATE operations SET state = 'pending', due_at = NULL, decision_id = 'dec-' || substr(id, 4)",
+    )
+    .execute(&pool)
+    .await
+    .expect("pending");
+    sqlx::query(
+        "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'held', 'other', $1)",
+    )
+    .bind(i64::MAX / 2)
+    .execute(&pool)
+    .await
+    .expect("leased elsewhere");
+    let entry = |decision: &str| crate::store::OwnedInboxEntry {
+        tenant: "t".into(),
+        correlation_id: decision.into(),
+        answer: "yes".into(),
+        answered_at: None,
+        body: b"{}".to_vec(),
+        source: "callback",
+        received_at: now_ms(),
+    };
+    let first_saves = |e: &crate::store::InboxEntry, op: &crate::store::Operation| engine.first_save(e, op);
+    let batch = engine
+        .store
+        .insert_inbox_batch_with(&[entry("dec-1"), entry("dec-2")], Some(&first_saves))
+        .await
+        .expect("stores");
+    assert!(batch.results.iter().all(|r| matches!(r, crate::store::InboxInsert::Stored(_))));
+    assert_eq!(batch.applied.len(), 1, "the leased thread's answer is not applied: {batch:?}");
+    assert!(batch.answers.is_empty(), "nor handed on: its save was refused");
+    let applied = &batch.applied[0];
+    assert_eq!((applied.save.op.id.as_str(), applied.save.op.version), ("op-1", 1));
+    let ops: Vec<(String, String, i64, Option<i64>)> =
+        sqlx::query_as("SELECT id, state, version, inbox_at FROM operations ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+    assert_eq!(ops[0].1, "expired", "committed with the callback, before any visit");
+    assert_eq!((ops[0].2, ops[0].3), (1, None));
+    assert_eq!(ops[1].1, "pending");
+    assert!(ops[1].3.is_some(), "its answer waits, marked");
+    let inbox: Vec<(String, String)> =
+        sqlx::query_as("SELECT correlation_id, state FROM inbox ORDER BY correlation_id")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+    assert_eq!(inbox, [("dec-1".into(), "processed".into()), ("dec-2".into(), "new".into())]);
+    let owners: Vec<(String, String)> =
+        sqlx::query_as("SELECT thread_id, owner FROM thread_leases ORDER BY thread_id")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+    assert_eq!(owners, [("free".into(), applied.save.owner.clone()), ("held".into(), "other".into())]);
+
+    // Its lease ran out before a worker came, and is another's: the
+    // visit leaves the thread to it.
+    let mut late = batch.applied.clone();
+    late[0].save.now -= 60_000;
+    let lease_owner = |owner: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query("UPDATE thread_leases SET owner = $1 WHERE thread_id = 'free'")
+                .bind(owner)
+                .execute(&pool)
+                .await
+                .expect("updates")
+        }
+    };
+    lease_owner("thief".into()).await;
+    engine.stored(&[key("free")], Vec::new(), late);
+    assert!(!engine.visit_next(false).await.expect("visits"), "passed by");
+    assert!(engine.handed_lock().is_empty(), "taken by the visit");
+    let delivery: Option<String> = sqlx::query_scalar("SELECT delivery FROM operations WHERE id = 'op-1'")
+        .fetch_one(&pool)
+        .await
+        .expect("reads");
+    assert_eq!(delivery.as_deref(), Some("pending"), "not gone on from");
+    lease_owner(applied.save.owner.clone()).await;
+
+    engine.stored(&batch.threads, batch.answers, batch.applied);
+    assert!(engine.visit_next(false).await.expect("visits"));
+    assert!(engine.visit_next(false).await.is_ok());
+    let expired: Vec<(String, i64)> =
+        sqlx::query_as("SELECT to_state, count(*) FROM transitions GROUP BY to_state ORDER BY to_state")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+    assert_eq!(expired, [("expired".into(), 1)], "applied once");
+    assert_eq!(leases(&pool).await, ["held"], "the visit let the lease its answer's commit took go");
+    assert!(engine.handed_lock().is_empty(), "taken by the visit");
+    drop(engine);
+    db.drop().await;
+}
