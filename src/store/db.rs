@@ -1205,6 +1205,8 @@ impl Store {
             q.bind(now)
         };
         let mut conn = pool.acquire().await?;
+        // A repeat failed the plain statement already: the conflict clause.
+        let mut repeats = false;
         if let Some(first_saves) = first_saves {
             // The answers' first saves commit with their callbacks
             // (decisions §36); a batch that cannot (a repeat, a save
@@ -1222,6 +1224,7 @@ impl Store {
                     },
                     Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
                         tx.rollback().await?;
+                        repeats = true;
                         break;
                     }
                     Err(e) => return Err(e.into()),
@@ -1236,8 +1239,8 @@ impl Store {
         // more CPU per stored row in pgbench (decisions §30). A repeat of
         // a stored callback (Pushary sends again only what was not
         // acknowledged) fails the statement, which then runs with it.
-        let stored_rows = match query(true).fetch_all(&mut *conn).await {
-            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+        let stored_rows = match query(!repeats).fetch_all(&mut *conn).await {
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() && !repeats => {
                 query(false).fetch_all(&mut *conn).await?
             }
             r => r?,

@@ -76,7 +76,7 @@ impl Store {
                     take: Some(TakeLease { owner: &a.save.owner, now: a.save.now, until: a.save.until }),
                 })
                 .collect();
-            let saved = match run_in(&mut tx, &rows, &leases).await {
+            let saved = match run_in(&mut tx, &rows, &leases, true).await {
                 Ok(saved) => saved,
                 Err(sqlx::Error::Database(e)) if super::save::refused_by_database(e.as_ref()) => {
                     let make_function = super::db::is_missing_temp_function(e.as_ref());
@@ -98,7 +98,17 @@ impl Store {
                 }
             }
         }
-        tx.commit().await?;
+        if let Err(e) = tx.commit().await {
+            // The commit may have been made and its answer lost: the
+            // leases its saves took go, lest their threads wait for them to
+            // run out. Had it not been made, this deletes nothing. Nothing
+            // is handed on: without the commit no consume is on record.
+            for a in &applied {
+                let op = &a.save.op;
+                let _ = self.release_lease(&op.tenant, &op.thread_id, &a.save.owner).await;
+            }
+            return Err(e.into());
+        }
         let mut done = self.batch_done(ids.into_iter().map(InboxInsert::Stored).collect(), threads);
         done.answers = handed;
         done.applied = applied;

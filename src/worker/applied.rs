@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use tracing::Instrument as _;
 
-use super::{Engine, MAX_HANDED, VISIT, Visit, due_next, steps};
+use super::{Engine, Handed, MAX_HANDED, VISIT, Visit, due_next, steps};
 use crate::clock::now_ms;
 use crate::domain::state::State;
 use crate::store::{AnswerSave, Applied, InboxEntry, Operation, StoreError};
@@ -19,11 +19,13 @@ impl Engine {
     /// from it (`go_on_from_applied`). None where no workers run here,
     /// where too many answers wait for their visits already, and where
     /// the worker's own rules apply: an operation no longer pending, or an
-    /// attempt to spend its permit on record. A save that does not take
+    /// attempt to spend its permit on record, and once the workers are
+    /// stopping. A save that does not take
     /// changed nothing; the transitions this logs were then not made, and
     /// the visit that reads the thread logs what it does instead.
     pub fn first_save(&self, entry: &InboxEntry, op: &Operation) -> Option<AnswerSave> {
         if !self.workers_here.load(Ordering::SeqCst)
+            || self.stopping.load(Ordering::SeqCst)
             || op.consume_inflight
             || self.handed_lock().len() >= MAX_HANDED
         {
@@ -76,8 +78,7 @@ impl Engine {
             tracing::info!(state = %op.state, "answer applied");
             self.metrics.inc("approvald_resumes_total", &[("state", op.state.as_str())]);
             if op.state == State::Answered && op.consume_inflight {
-                // `first_save` makes none over an attempt on record.
-                self.consume(op, false).await?;
+                self.consume_applied(op).await?;
             } else {
                 if let Some(at) = op.due_at {
                     self.scheduled(at);
@@ -87,5 +88,32 @@ impl Engine {
             Ok::<_, StoreError>(VISIT.with(|v| std::mem::take(&mut *v.borrow_mut())))
         };
         VISIT.scope(RefCell::new(visit), went_on.instrument(span)).await.map(Some)
+    }
+
+    /// Lets go of the leases of answers applied for visits that will not
+    /// come: the workers are stopping. Their threads are free at once for
+    /// another process, which finds each consume on record and spends the
+    /// permit knowing an earlier attempt may have (none was made).
+    pub(super) async fn let_applied_go(&self) {
+        let applied: Vec<Box<Applied>> = {
+            let mut handed = self.handed_lock();
+            let keys: Vec<_> = handed
+                .iter()
+                .filter(|(_, h)| matches!(h, Handed::Applied(_)))
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.iter()
+                .filter_map(|k| match handed.remove(k) {
+                    Some(Handed::Applied(a)) => Some(a),
+                    _ => None,
+                })
+                .collect()
+        };
+        for a in applied {
+            let op = &a.save.op;
+            if let Err(e) = self.store.release_lease(&op.tenant, &op.thread_id, &a.save.owner).await {
+                tracing::warn!(error = %e, thread_id = %op.thread_id, "cannot let go of an applied answer's lease; it runs out");
+            }
+        }
     }
 }

@@ -194,6 +194,9 @@ pub struct Engine {
     /// Workers run in this process (`spawn`); without them, naming a
     /// thread to them would only fill a queue no one takes from.
     workers_here: AtomicBool,
+    /// Shutting down: the workers take no more visits, so the inbox makes
+    /// no more first saves for them (decisions §36).
+    stopping: AtomicBool,
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -227,6 +230,7 @@ impl Engine {
             // Whatever was left in the store before this process started.
             unread: AtomicBool::new(true),
             workers_here: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             metrics: Arc::default(),
         }
     }
@@ -498,21 +502,25 @@ impl Engine {
                         // Not an answer applied since this visit looked
                         // (the lease it found is the one its commit took
                         // for this process): the thread goes to the
-                        // workers again, for the visit that goes on from it.
+                        // workers again, for the visit that goes on from
+                        // it. Let go first: an answer applied after the
+                        // look below is offered after it, and finds the
+                        // thread free.
+                        let key = claim.key().clone();
+                        drop(claim);
                         let applied = {
                             let mut handed = self.handed_lock();
-                            match handed.get(claim.key()) {
+                            match handed.get(&key) {
                                 Some(Handed::Applied(_)) => true,
                                 Some(Handed::Answer(_)) => {
-                                    handed.remove(claim.key());
+                                    handed.remove(&key);
                                     false
                                 }
                                 None => false,
                             }
                         };
                         if applied {
-                            drop(claim);
-                            self.offer(&[(tenant, thread)]);
+                            self.offer(&[key]);
                         }
                         continue;
                     }
@@ -714,6 +722,12 @@ impl Engine {
         self.store.workers_here();
         self.workers_here.store(true, Ordering::SeqCst);
         let mut handles = Vec::new();
+        let engine = Arc::clone(self);
+        let stopping = shutdown.clone();
+        tokio::spawn(async move {
+            stopping.cancelled().await;
+            engine.stopping.store(true, Ordering::SeqCst);
+        });
         for i in 0..self.settings.concurrency {
             let engine = Arc::clone(self);
             let shutdown = shutdown.clone();
@@ -836,6 +850,8 @@ impl Engine {
                 self.tick_at.store(i64::MAX, Ordering::SeqCst);
             }
         }
+        self.stopping.store(true, Ordering::SeqCst);
+        self.let_applied_go().await;
     }
 }
 

@@ -392,6 +392,22 @@ impl Engine {
         }
     }
 
+    /// Goes on from an approval applied in its callback's commit, the
+    /// attempt to spend its permit recorded there (decisions §36): the
+    /// deadline is looked at again, as the commit may have been a while
+    /// before a worker came. Past it, no call was made, and the operation
+    /// expires with the attempt cleared.
+    pub(crate) async fn consume_applied(&self, mut op: Operation) -> Result<(), StoreError> {
+        if now_ms() >= op.deadline {
+            op.consume_inflight = false;
+            let t = reject(&mut op, State::Expired, "deadline passed before the permit was consumed", ACTOR);
+            self.save(&mut op, &[t], None).await?;
+            return Ok(());
+        }
+        // `Engine::first_save` makes none over an attempt on record.
+        self.consume(op, false).await
+    }
+
     /// Spends the permit, its attempt recorded (`consume_inflight`), and
     /// goes on to the delivery. `earlier_unknown`: an earlier attempt may
     /// have spent it without our learning of it (a lost response, or a

@@ -525,3 +525,136 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it() {
     drop(engine);
     db.drop().await;
 }
+
+// An approval applied in its callback's commit, its permit's spending on
+// record, whose deadline passed before a worker came: the visit makes no
+// call and expires it, the attempt cleared (no call was made). And when
+// the workers stop, the leases of applied answers no visit took go.
+#[tokio::test]
+async fn an_applied_approval_past_its_deadline_expires_without_a_call() {
+    let Some((db, pool, engine)) =
+        pg_engine("worker::tests::an_applied_approval_past_its_deadline", &[]).await
+    else {
+        return;
+    };
+    pg_due_finished_at(&pool, &[("op-1", "late"), ("op-2", "idle")], 1).await;
+    sqlx::query(
+        "UPDATE operations SET state = 'answered', due_at = NULL, answer = 'yes', consume_inflight = 1, \
+         consume_attempts = 1, decision_id = 'dec-' || substr(id, 4)",
+    )
+    .execute(&pool)
+    .await
+    .expect("answered");
+    let now = now_ms();
+    let applied = |id: &'static str, thread: &'static str| {
+        let store = engine.store.clone();
+        async move {
+            let op = store.get_operation(Some("t"), id).await.expect("reads").expect("exists");
+            sqlx::query(
+                "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', $1, $2, $3)",
+            )
+            .bind(thread)
+            .bind(format!("applier/{id}"))
+            .bind(now + 30_000)
+            .execute(store.pg_pool().expect("PostgreSQL"))
+            .await
+            .expect("leased");
+            let entry = crate::store::InboxEntry {
+                id: 1,
+                tenant: "t".into(),
+                correlation_id: op.decision_id.clone().expect("opened"),
+                answer: "yes".into(),
+                answered_at: None,
+                source: "callback".into(),
+                state: "processed".into(),
+                received_at: now,
+                duplicates: 0,
+                operation_id: None,
+                processed_at: None,
+                note: None,
+            };
+            let save = crate::store::AnswerSave {
+                op,
+                transitions: Vec::new(),
+                note: "matched",
+                owner: format!("applier/{id}"),
+                now,
+                until: now + 30_000,
+            };
+            crate::store::Applied { entry, save }
+        }
+    };
+    let late = applied("op-1", "late").await;
+    let idle = applied("op-2", "idle").await;
+    engine.stored(&[key("late")], Vec::new(), vec![late]);
+    assert!(engine.visit_next(false).await.expect("visits"));
+    let (state, inflight): (String, i64) =
+        sqlx::query_as("SELECT state, consume_inflight FROM operations WHERE id = 'op-1'")
+            .fetch_one(&pool)
+            .await
+            .expect("reads");
+    assert_eq!((state.as_str(), inflight), ("expired", 0));
+    let calls: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pushary_calls").fetch_one(&pool).await.expect("reads");
+    assert_eq!(calls, 0, "no call was made");
+
+    // Not visited: its lease goes when the workers stop.
+    engine.stored(&[], Vec::new(), vec![idle]);
+    assert_eq!(leases(&pool).await, ["idle"]);
+    engine.let_applied_go().await;
+    assert!(leases(&pool).await.is_empty());
+    assert!(engine.handed_lock().is_empty());
+    drop(engine);
+    db.drop().await;
+}
+
+// The inbox's saves wait briefly for a lease another transaction is
+// taking or giving up (decisions §36): past the lock timeout the batch is
+// stored again without them, its answer handed on, rather than waiting
+// on a transaction that may be waiting on it.
+#[tokio::test]
+async fn the_inbox_waits_briefly_for_a_lease_in_anothers_hands() {
+    let Some((db, pool, engine)) = pg_engine("worker::tests::the_inbox_waits_briefly_for_a_lease", &[]).await
+    else {
+        return;
+    };
+    pg_due_finished_at(&pool, &[("op-1", "busy")], 1).await;
+    sqlx::query("UPDATE operations SET state = 'pending', due_at = NULL, decision_id = 'dec-1'")
+        .execute(&pool)
+        .await
+        .expect("pending");
+    let mut other = pool.begin().await.expect("begins");
+    sqlx::query(
+        "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'busy', 'other', 1)",
+    )
+    .execute(&mut *other)
+    .await
+    .expect("takes, uncommitted");
+    let entry = crate::store::OwnedInboxEntry {
+        tenant: "t".into(),
+        correlation_id: "dec-1".into(),
+        answer: "yes".into(),
+        answered_at: None,
+        body: b"{}".to_vec(),
+        source: "callback",
+        received_at: now_ms(),
+    };
+    let first_saves = |e: &crate::store::InboxEntry, op: &crate::store::Operation| engine.first_save(e, op);
+    // Well short of the connection's own lock timeout (`store.busy_timeout_ms`, 5 s).
+    let batch = tokio::time::timeout(
+        Duration::from_secs(2),
+        engine.store.insert_inbox_batch_with(std::slice::from_ref(&entry), Some(&first_saves)),
+    )
+    .await
+    .expect("does not wait for the other transaction")
+    .expect("stores");
+    assert!(matches!(batch.results[..], [crate::store::InboxInsert::Stored(_)]));
+    assert!(batch.applied.is_empty());
+    assert_eq!(batch.answers.len(), 1, "handed on as a plain batch's");
+    other.rollback().await.expect("rolls back");
+    let state: String =
+        sqlx::query_scalar("SELECT state FROM operations").fetch_one(&pool).await.expect("reads");
+    assert_eq!(state, "pending");
+    drop(engine);
+    db.drop().await;
+}

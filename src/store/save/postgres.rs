@@ -209,6 +209,7 @@ fn setup() -> &'static str {
              DECLARE s record; g record; got text; taken bigint[]; gave_up bigint[] := '{{}}'; \
                refused bigint[] := '{{}}'; leased bigint[] := '{{}}'; \
              BEGIN \
+             IF carries & {BRIEFLY} <> 0 THEN PERFORM set_config('lock_timeout', '{LOCK_TIMEOUT_MS}ms', true); END IF; \
              IF carries & {DELIVERIES} <> 0 THEN {deliveries}END IF; \
              IF carries & {CALLS} <> 0 THEN {calls}END IF; \
              IF carries & {TAKE} <> 0 THEN {take}END IF; \
@@ -230,6 +231,8 @@ fn setup() -> &'static str {
             RELEASE = RELEASE,
             release = RELEASE_LEASES,
             TAKE = TAKE,
+            BRIEFLY = BRIEFLY,
+            LOCK_TIMEOUT_MS = LOCK_TIMEOUT_MS,
             take = TAKE_LEASES,
             untake = GIVE_BACK_UNSAVED,
             after = params_as_fields(AFTER_TAKEN, "s."),
@@ -344,6 +347,14 @@ const TRANSITIONS: i32 = 8;
 const RELEASE: i32 = 16;
 /// A lease to take with its save.
 const TAKE: i32 = 32;
+/// The batch waits for no lock longer than `LOCK_TIMEOUT_MS`: the inbox's
+/// transaction (decisions §36) holds the rows of the operations it marked
+/// while its saves take leases, and a save batch that takes a lease
+/// before it updates one of those rows would wait for it in a cycle.
+/// PostgreSQL would break that after `deadlock_timeout` (a second); this
+/// breaks it sooner, and the inbox stores its batch again without saves.
+const BRIEFLY: i32 = 64;
+const LOCK_TIMEOUT_MS: u32 = 50;
 
 /// The bits of `rows`' carries, as `DELIVERIES` … `TRANSITIONS`.
 fn carries(rows: &[&[SaveValue]]) -> i32 {
@@ -588,10 +599,10 @@ async fn execute(
     leases: &[LeaseWith<'_>],
 ) -> Result<Vec<(bool, bool)>, sqlx::Error> {
     let mut conn = pool.acquire().await?;
-    match run_in(&mut conn, rows, leases).await {
+    match run_in(&mut conn, rows, leases, false).await {
         Err(sqlx::Error::Database(e)) if crate::store::db::is_missing_temp_function(e.as_ref()) => {
             make_function(&mut conn).await?;
-            run_in(&mut conn, rows, leases).await
+            run_in(&mut conn, rows, leases, false).await
         }
         other => other,
     }
@@ -604,14 +615,17 @@ pub(crate) async fn make_function(conn: &mut PgConnection) -> Result<(), sqlx::E
 
 /// `execute` on `conn`, which may be in a transaction: a connection
 /// without the function fails (`is_missing_temp_function`), and its
-/// transaction with it.
+/// transaction with it. `briefly`: a lock not had within
+/// `LOCK_TIMEOUT_MS` fails the statement (`BRIEFLY`).
 pub(crate) async fn run_in(
     conn: &mut PgConnection,
     rows: &[&[SaveValue]],
     leases: &[LeaseWith<'_>],
+    briefly: bool,
 ) -> Result<Vec<(bool, bool)>, sqlx::Error> {
     let batch = batch_json(rows, leases);
     let carries = carries(rows)
+        | if briefly { BRIEFLY } else { 0 }
         | if leases.iter().any(|l| l.release.is_some()) { RELEASE } else { 0 }
         | if leases.iter().any(|l| l.take.is_some()) { TAKE } else { 0 };
     let returned =
