@@ -276,6 +276,32 @@ async fn leases(pool: &sqlx::PgPool) -> Vec<String> {
     sqlx::query_scalar("SELECT thread_id FROM thread_leases ORDER BY 1").fetch_all(pool).await.expect("reads")
 }
 
+/// Operations (id `op-N`, thread) pending on decision `dec-N`, their
+/// deadlines passed: an answer expires each with one save, and no call
+/// leaves the process.
+async fn pg_pending(pool: &sqlx::PgPool, ops: &[(&str, &str)]) {
+    pg_due_finished_at(pool, ops, 1).await;
+    sqlx::query(
+        "UPDATE operations SET state = 'pending', due_at = NULL, decision_id = 'dec-' || substr(id, 4)",
+    )
+    .execute(pool)
+    .await
+    .expect("pending");
+}
+
+/// A verified callback answering `decision`.
+fn callback(decision: &str, answer: &str) -> crate::store::OwnedInboxEntry {
+    crate::store::OwnedInboxEntry {
+        tenant: "t".into(),
+        correlation_id: decision.into(),
+        answer: answer.into(),
+        answered_at: None,
+        body: b"{}".to_vec(),
+        source: "callback",
+        received_at: now_ms(),
+    }
+}
+
 // The save that finishes the last work of a thread gives its lease up,
 // and the visit ends there: no read of the thread after it (decisions §34).
 // The save is the visit's last look at the thread, and counts as one for
@@ -351,15 +377,7 @@ async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
     else {
         return;
     };
-    pg_due_finished_at(&pool, &[("op-1", "th")], 1).await;
-    // Pending on decision dec-1, its deadline passed: the answer expires
-    // it with one save, and no call leaves the process.
-    sqlx::query(
-        "UPDATE operations SET state = 'pending', due_at = NULL, decision_id = 'dec-1' WHERE id = 'op-1'",
-    )
-    .execute(&pool)
-    .await
-    .expect("pending");
+    pg_pending(&pool, &[("op-1", "th")]).await;
     sqlx::query(
         "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'th', 'other', $1)",
     )
@@ -367,15 +385,7 @@ async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
     .execute(&pool)
     .await
     .expect("leased elsewhere");
-    let entry = crate::store::OwnedInboxEntry {
-        tenant: "t".into(),
-        correlation_id: "dec-1".into(),
-        answer: "stored".into(),
-        answered_at: None,
-        body: b"{}".to_vec(),
-        source: "callback",
-        received_at: now_ms(),
-    };
+    let entry = callback("dec-1", "stored");
     let mut batch = engine.store.insert_inbox_batch(&[entry]).await.expect("stores");
     assert_eq!(batch.answers.len(), 1);
     // Told apart from the stored answer, which a read of the thread finds.
@@ -428,15 +438,7 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it() {
     else {
         return;
     };
-    pg_due_finished_at(&pool, &[("op-1", "free"), ("op-2", "held")], 1).await;
-    // Pending, their deadlines passed: each answer expires its operation
-    // with one save, and no call leaves the process.
-    sqlx::query(
-        "UPDATE operations SET state = 'pending', due_at = NULL, decision_id = 'dec-' || substr(id, 4)",
-    )
-    .execute(&pool)
-    .await
-    .expect("pending");
+    pg_pending(&pool, &[("op-1", "free"), ("op-2", "held")]).await;
     sqlx::query(
         "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'held', 'other', $1)",
     )
@@ -444,19 +446,10 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it() {
     .execute(&pool)
     .await
     .expect("leased elsewhere");
-    let entry = |decision: &str| crate::store::OwnedInboxEntry {
-        tenant: "t".into(),
-        correlation_id: decision.into(),
-        answer: "yes".into(),
-        answered_at: None,
-        body: b"{}".to_vec(),
-        source: "callback",
-        received_at: now_ms(),
-    };
     let first_saves = |e: &crate::store::InboxEntry, op: &crate::store::Operation| engine.first_save(e, op);
     let batch = engine
         .store
-        .insert_inbox_batch_with(&[entry("dec-1"), entry("dec-2")], Some(&first_saves))
+        .insert_inbox_batch_with(&[callback("dec-1", "yes"), callback("dec-2", "yes")], Some(&first_saves))
         .await
         .expect("stores");
     assert!(batch.results.iter().all(|r| matches!(r, crate::store::InboxInsert::Stored(_))));
@@ -618,11 +611,7 @@ async fn the_inbox_waits_briefly_for_a_lease_in_anothers_hands() {
     else {
         return;
     };
-    pg_due_finished_at(&pool, &[("op-1", "busy")], 1).await;
-    sqlx::query("UPDATE operations SET state = 'pending', due_at = NULL, decision_id = 'dec-1'")
-        .execute(&pool)
-        .await
-        .expect("pending");
+    pg_pending(&pool, &[("op-1", "busy")]).await;
     let mut other = pool.begin().await.expect("begins");
     sqlx::query(
         "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'busy', 'other', 1)",
@@ -630,15 +619,7 @@ async fn the_inbox_waits_briefly_for_a_lease_in_anothers_hands() {
     .execute(&mut *other)
     .await
     .expect("takes, uncommitted");
-    let entry = crate::store::OwnedInboxEntry {
-        tenant: "t".into(),
-        correlation_id: "dec-1".into(),
-        answer: "yes".into(),
-        answered_at: None,
-        body: b"{}".to_vec(),
-        source: "callback",
-        received_at: now_ms(),
-    };
+    let entry = callback("dec-1", "yes");
     let first_saves = |e: &crate::store::InboxEntry, op: &crate::store::Operation| engine.first_save(e, op);
     // Well short of the connection's own lock timeout (`store.busy_timeout_ms`, 5 s).
     let batch = tokio::time::timeout(
