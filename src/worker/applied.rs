@@ -25,14 +25,13 @@ impl Engine {
     /// the visit that reads the thread logs what it does instead.
     pub fn first_save(&self, entry: &InboxEntry, op: &Operation) -> Option<AnswerSave> {
         if !self.workers_here.load(Ordering::SeqCst)
-            || self.stopping.load(Ordering::SeqCst)
+            || self.stopping()
             || op.consume_inflight
             || self.handed_lock().len() >= MAX_HANDED
         {
             return None;
         }
-        let span = tracing::info_span!("resume", operation_id = %op.id, thread_id = %op.thread_id,
-            correlation_id = %entry.correlation_id, inbox_id = entry.id);
+        let span = steps::resume_span(entry, op);
         let _entered = span.enter();
         let (op, transitions, note, _) = steps::first_save_of_answer(entry, op.clone())?;
         let turn = self.next_owner.fetch_add(1, Ordering::Relaxed);
@@ -71,8 +70,7 @@ impl Engine {
         } else {
             took_at
         };
-        let span = tracing::info_span!("resume", operation_id = %op.id, thread_id = %op.thread_id,
-            correlation_id = %entry.correlation_id, inbox_id = entry.id);
+        let span = steps::resume_span(&entry, &op);
         let visit = Visit { lease_owner: Some(owner), took_at: Some(leased_at), ..Visit::default() };
         let went_on = async {
             tracing::info!(state = %op.state, "answer applied");
@@ -95,20 +93,14 @@ impl Engine {
     /// another process, which finds each consume on record and spends the
     /// permit knowing an earlier attempt may have (none was made).
     pub(super) async fn let_applied_go(&self) {
-        let applied: Vec<Box<Applied>> = {
-            let mut handed = self.handed_lock();
-            let keys: Vec<_> = handed
-                .iter()
-                .filter(|(_, h)| matches!(h, Handed::Applied(_)))
-                .map(|(k, _)| k.clone())
-                .collect();
-            keys.iter()
-                .filter_map(|k| match handed.remove(k) {
-                    Some(Handed::Applied(a)) => Some(a),
-                    _ => None,
-                })
-                .collect()
-        };
+        let applied: Vec<Box<Applied>> = self
+            .handed_lock()
+            .extract_if(|_, h| matches!(h, Handed::Applied(_)))
+            .filter_map(|(_, h)| match h {
+                Handed::Applied(a) => Some(a),
+                Handed::Answer(_) => None,
+            })
+            .collect();
         for a in applied {
             let op = &a.save.op;
             if let Err(e) = self.store.release_lease(&op.tenant, &op.thread_id, &a.save.owner).await {

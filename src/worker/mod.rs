@@ -194,9 +194,10 @@ pub struct Engine {
     /// Workers run in this process (`spawn`); without them, naming a
     /// thread to them would only fill a queue no one takes from.
     workers_here: AtomicBool,
-    /// Shutting down: the workers take no more visits, so the inbox makes
-    /// no more first saves for them (decisions §36).
-    stopping: AtomicBool,
+    /// The workers' shutdown (`spawn`): once it is cancelled they take no
+    /// more visits, so the inbox makes no more first saves for them
+    /// (decisions §36).
+    shutdown: std::sync::OnceLock<CancellationToken>,
     pub(crate) metrics: Arc<crate::metrics::Metrics>,
 }
 
@@ -230,7 +231,7 @@ impl Engine {
             // Whatever was left in the store before this process started.
             unread: AtomicBool::new(true),
             workers_here: AtomicBool::new(false),
-            stopping: AtomicBool::new(false),
+            shutdown: std::sync::OnceLock::new(),
             metrics: Arc::default(),
         }
     }
@@ -344,6 +345,11 @@ impl Engine {
         self.offer(threads);
     }
 
+    /// The workers are stopping, or stopped.
+    fn stopping(&self) -> bool {
+        self.shutdown.get().is_some_and(CancellationToken::is_cancelled)
+    }
+
     fn handed_lock(&self) -> std::sync::MutexGuard<'_, HashMap<ThreadKey, Handed>> {
         self.handed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -426,12 +432,14 @@ impl Engine {
     /// candidates run out even if nothing says it holds any.
     async fn visit_next(&self, read_store: bool) -> Result<bool, StoreError> {
         let turn = self.next_owner.fetch_add(1, Ordering::Relaxed);
-        let mut owner = format!("{}/{turn}", self.owner);
+        let visit_owner = format!("{}/{turn}", self.owner);
         let mut refilled = false;
         loop {
             let Some((claim, more)) = self.next_candidate(&mut refilled, read_store).await? else {
                 return Ok(false);
             };
+            // This visit's, unless an answer applied for it names another.
+            let mut owner = visit_owner.clone();
             let (tenant, thread) = claim.key().clone();
             // SQLite serves one process (docs/decisions.md §13): the claim
             // is the whole lease, and two writes per visit are saved.
@@ -721,13 +729,8 @@ impl Engine {
     pub fn spawn(self: &Arc<Self>, shutdown: CancellationToken) -> Vec<tokio::task::JoinHandle<()>> {
         self.store.workers_here();
         self.workers_here.store(true, Ordering::SeqCst);
+        let _ = self.shutdown.set(shutdown.clone());
         let mut handles = Vec::new();
-        let engine = Arc::clone(self);
-        let stopping = shutdown.clone();
-        tokio::spawn(async move {
-            stopping.cancelled().await;
-            engine.stopping.store(true, Ordering::SeqCst);
-        });
         for i in 0..self.settings.concurrency {
             let engine = Arc::clone(self);
             let shutdown = shutdown.clone();
@@ -850,7 +853,6 @@ impl Engine {
                 self.tick_at.store(i64::MAX, Ordering::SeqCst);
             }
         }
-        self.stopping.store(true, Ordering::SeqCst);
         self.let_applied_go().await;
     }
 }

@@ -84,6 +84,13 @@ pub(crate) fn needs_work(op: &Operation) -> bool {
         || op.receipt.as_deref() == Some("pending")
 }
 
+/// The span of applying `entry` to `op`: every line logged while resuming
+/// carries the three ids.
+pub(crate) fn resume_span(entry: &InboxEntry, op: &Operation) -> tracing::Span {
+    tracing::info_span!("resume", operation_id = %op.id, thread_id = %op.thread_id,
+        correlation_id = %entry.correlation_id, inbox_id = entry.id)
+}
+
 /// What the step that applies an answer does after its first save.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Then {
@@ -244,9 +251,7 @@ impl Engine {
         op: Operation,
         held_back: bool,
     ) -> Result<(), StoreError> {
-        // Every line logged while resuming carries the three ids.
-        let span = tracing::info_span!("resume", operation_id = %op.id, thread_id = %op.thread_id,
-            correlation_id = %entry.correlation_id, inbox_id = entry.id);
+        let span = resume_span(&entry, &op);
         self.apply_answer_inner(entry, op, held_back).instrument(span).await
     }
 
