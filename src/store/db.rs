@@ -56,7 +56,11 @@ sweep_sql!(
     "operations_pending_deadline",
     "WHERE state = 'pending' AND deadline <= $1 ORDER BY deadline LIMIT $2"
 );
-sweep_sql!(POLLS_DUE, "operations_poll", "WHERE poll_at <= $1 AND state = 'pending' ORDER BY poll_at LIMIT $2");
+sweep_sql!(
+    POLLS_DUE,
+    "operations_poll",
+    "WHERE poll_at <= $1 AND state = 'pending' ORDER BY poll_at LIMIT $2"
+);
 sweep_sql!(
     ARCHIVABLE,
     "operations_finished",
