@@ -2164,14 +2164,21 @@ mod tests {
     }
 
     // Each sweep reads the range of its own index, in its order: no scan of
-    // every operation of a state, and no sort (decisions §37).
+    // every operation of a state, and no sort; the operator's chart of
+    // finished operations reads the range of its index (decisions §37).
     #[tokio::test]
     async fn the_reconcilers_sweeps_read_their_own_index_on_sqlite() {
         let (_dir, _store, pool) = sqlite_store().await;
-        for (sql, index) in [
-            (super::PENDING_PAST_DEADLINE.1, "operations_pending_deadline (deadline<?)"),
-            (super::POLLS_DUE.1, "operations_poll (poll_at<?)"),
-            (super::ARCHIVABLE.1, "operations_finished (updated_at<?)"),
+        let search = |index: &str| format!("SEARCH operations USING INDEX {index}");
+        for (sql, plan_wanted) in [
+            (super::PENDING_PAST_DEADLINE.1, vec![search("operations_pending_deadline (deadline<?)")]),
+            (super::POLLS_DUE.1, vec![search("operations_poll (poll_at<?)")]),
+            (super::ARCHIVABLE.1, vec![search("operations_finished (updated_at<?)")]),
+            // The operator page's chart: the minutes and states counted.
+            (
+                crate::store::insights::FINISHED_BY_MINUTE.1,
+                vec![search("operations_finished (updated_at>?)"), "USE TEMP B-TREE FOR GROUP BY".into()],
+            ),
         ] {
             let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
                 .bind(1_i64)
@@ -2180,7 +2187,7 @@ mod tests {
                 .await
                 .expect("explains");
             let plan: Vec<String> = rows.iter().map(|r| sqlx::Row::get(r, "detail")).collect();
-            assert_eq!(plan, [format!("SEARCH operations USING INDEX {index}")], "{sql}");
+            assert_eq!(plan, plan_wanted, "{sql}");
         }
     }
 
