@@ -675,6 +675,7 @@ const SQLITE_MIGRATIONS: &[(i64, &str, &str)] = &[
     (5, "thread work", include_str!("../../migrations/sqlite/0005_thread_work.sql")),
     (6, "pushary calls", include_str!("../../migrations/sqlite/0006_pushary_calls.sql")),
     (7, "drop inbox_new", include_str!("../../migrations/sqlite/0007_drop_inbox_new.sql")),
+    (8, "operations created", include_str!("../../migrations/sqlite/0008_operations_created.sql")),
 ];
 const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("../../migrations/postgres/0001_init.sql")),
@@ -690,6 +691,7 @@ const POSTGRES_MIGRATIONS: &[(i64, &str, &str)] = &[
         "audit rows without foreign keys",
         include_str!("../../migrations/postgres/0009_audit_rows_without_foreign_keys.sql"),
     ),
+    (10, "operations created", include_str!("../../migrations/postgres/0010_operations_created.sql")),
 ];
 
 fn migrator(files: &'static [(i64, &'static str, &'static str)]) -> Migrator {
@@ -1003,21 +1005,13 @@ impl Store {
     }
 
     pub async fn list_operations(&self, f: &OperationFilter) -> Result<Vec<Operation>, StoreError> {
-        with_pool!(self, pool, BEGIN, PG => {
-            let rows = sqlx::query(concat!(
-                "SELECT ",
-                op_cols!(),
-                " FROM operations WHERE ($1 IS NULL OR tenant = $1) AND ($2 IS NULL OR state = $2) \
-                  AND ($3 IS NULL OR thread_id = $3) ORDER BY created_at DESC, id DESC LIMIT $4"
-            ))
-            .bind(f.tenant.as_deref())
-            .bind(f.state.map(|s| s.as_str()))
-            .bind(f.thread_id.as_deref())
-            .bind(if f.limit > 0 { f.limit } else { 100 })
-            .fetch_all(pool)
-            .await?;
-            rows.iter().map(Operation::from_row).collect()
-        })
+        let filter = super::OperatorFilter {
+            tenant: f.tenant.clone(),
+            state: f.state.map(|s| s.as_str().to_string()),
+            thread_id: f.thread_id.clone(),
+            ..Default::default()
+        };
+        self.filtered_operations(&filter, if f.limit > 0 { f.limit } else { 100 }).await
     }
 
     pub async fn transitions(&self, operation_id: &str) -> Result<Vec<Transition>, StoreError> {

@@ -47,7 +47,7 @@ fn migrate_twice_then_ops_list_and_show() {
     for _ in 0..2 {
         let out = run(&["migrate"]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        assert!(String::from_utf8_lossy(&out.stdout).contains("schema is at version 7"));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("schema is at version 8"));
     }
     let out = run(&["ops", "list"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -138,7 +138,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
         approvald::store::Store::connect(&approvald::config::StoreConfig::with_defaults(db.url.clone(), 1))
             .await
             .expect("connect");
-    assert_eq!(store.migration_status().await.expect("status"), (Some(9), 9));
+    assert_eq!(store.migration_status().await.expect("status"), (Some(10), 10));
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",
     )
@@ -163,7 +163,7 @@ async fn migrate_again_and_concurrently_leaves_the_schema_correct() {
         .fetch_one(store.pg_pool().expect("pg"))
         .await
         .expect("count");
-    assert_eq!(applied, 9, "each migration applied once");
+    assert_eq!(applied, 10, "each migration applied once");
     // The audit rows carry no foreign keys (migration 0009).
     let foreign_keys: Vec<String> =
         sqlx::query_scalar("SELECT conname::text FROM pg_constraint WHERE contype = 'f' ORDER BY 1")
