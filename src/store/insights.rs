@@ -2,9 +2,10 @@
 //! filters and charts, and the gauges `/metrics` reports. None of them is
 //! on the approval path. The charts and gauges read an index, not a whole
 //! table, except the count of operations by state (one pass over a small
-//! index). The operation list reads the index its filters match (by
-//! tenant, by state, by thread); unfiltered (the CLI's, every tenant) it
-//! reads and sorts the table.
+//! index). The operation list reads the index its filters match (a
+//! tenant's, by state, a tenant's by thread); a list of every tenant by
+//! thread, by recipient, by time or unfiltered (the CLI's, the operator
+//! page's) reads and sorts the table.
 
 use sqlx::Row;
 
@@ -65,8 +66,8 @@ impl Store {
     }
 
     /// The operations `f` matches, newest first, at most `limit`. The text
-    /// names only the filters given, so an index serves a list by state or
-    /// by thread; one text for every combination (`$n IS NULL OR ...`) is
+    /// names only the filters given, so an index serves a tenant's list,
+    /// a list by state and a tenant's list by thread; one text for every combination (`$n IS NULL OR ...`) is
     /// served by none, and read the whole table and sorted it (decisions
     /// §37).
     pub(super) async fn filtered_operations(
@@ -253,7 +254,7 @@ mod tests {
         }
     }
 
-    // A list by state, by thread or of a tenant reads an index, newest
+    // A list by state, a tenant's by thread or a tenant's reads an index, newest
     // first, instead of the whole table (decisions §37). A tenant's list by
     // state may read either index: the tenant's newest rows until enough
     // are in the state, or the state's newest rows of any tenant.
