@@ -34,20 +34,25 @@ macro_rules! op_cols {
     };
 }
 
-/// The reconciler's sweeps, as `(PostgreSQL, SQLite)` texts. On SQLite
-/// each names the index it was written for: without statistics (approvald
-/// runs no `ANALYZE`) SQLite's planner took `operations_state` for all
-/// three, reading every pending or every finished operation and sorting
-/// them, every sweep: with 1,000,000 finished operations the retention
-/// read took 619 ms, against 0.01 ms by `operations_finished`
-/// (benches/sqlite_sweep_plan.py; decisions §37). PostgreSQL's planner,
-/// with its statistics, takes these indexes itself.
+/// A read of `operations` as `(PostgreSQL, SQLite)` texts, `$head`
+/// (ending `FROM operations`) then `$rest`: on SQLite it names the index
+/// it was written for. Without statistics (approvald runs no `ANALYZE`)
+/// SQLite's planner took `operations_state` for the reconciler's sweeps
+/// and the operator's chart, reading every pending or every finished
+/// operation and sorting them: with 1,000,000 finished operations the
+/// retention read took 619 ms a sweep, against 0.01 ms by
+/// `operations_finished` (benches/sqlite_sweep_plan.py; decisions §37).
+/// PostgreSQL's planner, with its statistics, takes these indexes itself.
+macro_rules! indexed_read {
+    ($name:ident, $head:expr, $index:literal, $rest:literal) => {
+        pub(crate) const $name: (&str, &str) =
+            (concat!($head, " ", $rest), concat!($head, " INDEXED BY ", $index, " ", $rest));
+    };
+}
+
 macro_rules! sweep_sql {
     ($name:ident, $index:literal, $rest:literal) => {
-        pub(crate) const $name: (&str, &str) = (
-            concat!("SELECT ", op_cols!(), " FROM operations ", $rest),
-            concat!("SELECT ", op_cols!(), " FROM operations INDEXED BY ", $index, " ", $rest),
-        );
+        indexed_read!($name, concat!("SELECT ", op_cols!(), " FROM operations"), $index, $rest);
     };
 }
 

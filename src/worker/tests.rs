@@ -276,6 +276,17 @@ async fn leases(pool: &sqlx::PgPool) -> Vec<String> {
     sqlx::query_scalar("SELECT thread_id FROM thread_leases ORDER BY 1").fetch_all(pool).await.expect("reads")
 }
 
+/// `owner` holds the lease of `thread` (tenant `t`) until `until`.
+async fn hold_lease<'c>(conn: impl sqlx::PgExecutor<'c>, thread: &str, owner: &str, until: i64) {
+    sqlx::query("INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', $1, $2, $3)")
+        .bind(thread)
+        .bind(owner)
+        .bind(until)
+        .execute(conn)
+        .await
+        .expect("leased");
+}
+
 /// Operations (id `op-N`, thread) pending on decision `dec-N`, their
 /// deadlines passed: an answer expires each with one save, and no call
 /// leaves the process.
@@ -378,13 +389,7 @@ async fn an_answer_handed_on_is_applied_by_a_save_that_takes_the_lease() {
         return;
     };
     pg_pending(&pool, &[("op-1", "th")]).await;
-    sqlx::query(
-        "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'th', 'other', $1)",
-    )
-    .bind(i64::MAX / 2)
-    .execute(&pool)
-    .await
-    .expect("leased elsewhere");
+    hold_lease(&pool, "th", "other", i64::MAX / 2).await;
     let entry = callback("dec-1", "stored");
     let mut batch = engine.store.insert_inbox_batch(&[entry]).await.expect("stores");
     assert_eq!(batch.answers.len(), 1);
@@ -439,13 +444,7 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it() {
         return;
     };
     pg_pending(&pool, &[("op-1", "free"), ("op-2", "held")]).await;
-    sqlx::query(
-        "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'held', 'other', $1)",
-    )
-    .bind(i64::MAX / 2)
-    .execute(&pool)
-    .await
-    .expect("leased elsewhere");
+    hold_lease(&pool, "held", "other", i64::MAX / 2).await;
     let first_saves = |e: &crate::store::InboxEntry, op: &crate::store::Operation| engine.first_save(e, op);
     let batch = engine
         .store
@@ -543,15 +542,8 @@ async fn an_applied_approval_past_its_deadline_expires_without_a_call() {
         let store = engine.store.clone();
         async move {
             let op = store.get_operation(Some("t"), id).await.expect("reads").expect("exists");
-            sqlx::query(
-                "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', $1, $2, $3)",
-            )
-            .bind(thread)
-            .bind(format!("applier/{id}"))
-            .bind(now + 30_000)
-            .execute(store.pg_pool().expect("PostgreSQL"))
-            .await
-            .expect("leased");
+            hold_lease(store.pg_pool().expect("PostgreSQL"), thread, &format!("applier/{id}"), now + 30_000)
+                .await;
             let entry = crate::store::InboxEntry {
                 id: 1,
                 tenant: "t".into(),
@@ -613,12 +605,7 @@ async fn the_inbox_waits_briefly_for_a_lease_in_anothers_hands() {
     };
     pg_pending(&pool, &[("op-1", "busy")]).await;
     let mut other = pool.begin().await.expect("begins");
-    sqlx::query(
-        "INSERT INTO thread_leases (tenant, thread_id, owner, until) VALUES ('t', 'busy', 'other', 1)",
-    )
-    .execute(&mut *other)
-    .await
-    .expect("takes, uncommitted");
+    hold_lease(&mut *other, "busy", "other", 1).await; // uncommitted
     let entry = callback("dec-1", "yes");
     let first_saves = |e: &crate::store::InboxEntry, op: &crate::store::Operation| engine.first_save(e, op);
     // Well short of the connection's own lock timeout (`store.busy_timeout_ms`, 5 s).
