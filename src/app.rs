@@ -110,11 +110,11 @@ impl Application {
             Engine::new(store, tenants, settings(&config), Arc::new(Notify::new())).with_metrics(metrics),
         );
         let wake = Arc::clone(&engine);
-        let applier = Arc::clone(&engine);
+        let applier: crate::store::AnswerSaves = Arc::clone(&engine) as _;
         let inbox = crate::store::InboxWriter::start(
             engine.store().clone(),
             move |threads, answers, applied| wake.stored(threads, answers, applied),
-            Some(Arc::new(move |entry: &_, op: &_| applier.first_save(entry, op))),
+            Some(applier),
         );
         let state = AppState::new(api::Shared {
             inbox,

@@ -318,8 +318,9 @@ pub struct BatchInsert {
     /// applies such an answer at once, taking the thread's lease with its
     /// first save (`TakeLease`, decisions §35).
     pub answers: Vec<(InboxEntry, Operation)>,
-    /// PostgreSQL: answers applied by their first saves in the batch's
-    /// own transaction, each holding its thread's lease (decisions §36).
+    /// Answers applied by their first saves in the batch's own
+    /// transaction, each holding its thread's lease (decisions §36) or,
+    /// on SQLite, its claim (§38).
     pub applied: Vec<Applied>,
 }
 
@@ -495,7 +496,7 @@ pub(super) fn handed_answers(
 }
 
 /// The inbox row `id` as the batch stored it from `e`.
-fn stored_entry(e: &OwnedInboxEntry, id: i64) -> InboxEntry {
+pub(super) fn stored_entry(e: &OwnedInboxEntry, id: i64) -> InboxEntry {
     InboxEntry {
         id,
         tenant: e.tenant.clone(),
@@ -1190,9 +1191,9 @@ impl Store {
         self.insert_inbox_batch_with(entries, None).await
     }
 
-    /// `insert_inbox_batch`, which on PostgreSQL also makes, in the same
-    /// transaction, the first save of each answer `first_saves` gives one
-    /// for (decisions §36): `BatchInsert::applied`.
+    /// `insert_inbox_batch`, which also makes, in the same transaction,
+    /// the first save of each answer `first_saves` gives one for
+    /// (decisions §36, on SQLite §38): `BatchInsert::applied`.
     pub async fn insert_inbox_batch_with(
         &self,
         entries: &[OwnedInboxEntry],
@@ -1220,7 +1221,7 @@ impl Store {
         // which then joins a guessed hundred rows to `operations` by
         // scanning it.
         if !self.is_postgres() {
-            return self.insert_inbox_batch_sqlite(entries, &first, &unique, &hashes, now).await;
+            return self.insert_inbox_batch_sqlite(entries, &first, &unique, &hashes, now, first_saves).await;
         }
         let Backend::Postgres(pool) = &self.backend else { unreachable!("SQLite returned above") };
         let rows = unique.len().next_power_of_two();

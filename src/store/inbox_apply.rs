@@ -50,7 +50,7 @@ impl Store {
         let mut handed = Vec::new();
         let mut applying = Vec::new();
         for (entry, op) in handed_answers(rows, &pending, &threads, entries, first) {
-            match first_saves(&entry, &op) {
+            match first_saves.first_save(&entry, &op) {
                 Some(save) => applying.push(Applied { entry, save }),
                 None => handed.push((entry, op)),
             }

@@ -6,15 +6,23 @@
 //! hand-off to that thread and back, not four. Each hand-off, under
 //! ingest, cost about 100 µs of waiting for a core with the one writer
 //! held: more than SQLite's own work on a batch (decisions §18).
+//!
+//! The marking returns each operation it marks, whole, with what decides
+//! whether its answer may be applied at once: the answers' first saves
+//! then go in the same turn of the writer, so they commit with their
+//! callbacks (decisions §38, SQLite's §36).
 
 use std::collections::HashMap;
 
+use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
-use super::db::{BatchInsert, BatchTexts, Store, batch_text, record_stored};
+use super::db::{BatchInsert, BatchTexts, Store, batch_text, record_stored, stored_entry};
 use super::inbox_writer::OwnedInboxEntry;
+use super::save::{Applied, FirstSaves, SaveValue, Values, run_in_sqlite_turn, save_values};
 use super::sqlite_group::Turn;
-use super::{InboxInsert, StoreError};
+use super::{InboxEntry, InboxInsert, Operation, StoreError};
+use crate::domain::state::State;
 
 /// The savepoint the batch's text opens (sqlx's own are `_sqlx_savepoint_N`).
 const SAVEPOINT: &str = "approvald_inbox";
@@ -42,19 +50,42 @@ fn build(rows: usize) -> String {
     // writer, one statement: the ids are consecutive unless a row
     // conflicted, which used one up; such a batch has a repeat, and
     // `repeats` marks its stored rows again by their ids.
-    sql.push_str(&format!(
+    sql.push_str(
         "UPDATE operations SET inbox_at = ? WHERE inbox_at IS NULL AND decision_id IS NOT NULL \
          AND (tenant, decision_id) IN (SELECT i.tenant, i.correlation_id FROM inbox i \
            WHERE i.id BETWEEN last_insert_rowid() - changes() + 1 AND last_insert_rowid() \
-           AND i.state = 'new') RETURNING tenant AS marked_tenant, thread_id; RELEASE {SAVEPOINT}"
-    ));
+           AND i.state = 'new') RETURNING ",
+    );
+    sql.push_str(MARKED);
+    sql.push_str(&format!("; RELEASE {SAVEPOINT}"));
     sql
 }
 
+/// What the marking returns of each operation it marks: the row as the
+/// mark left it, and the two conditions under which a read of its thread
+/// would not return its answer first (`Store::next_work_for_thread`):
+/// another answer waits on the thread, or an earlier answer of the
+/// thread still resumes (its answer is held back). The one writer holds
+/// its turn from here to the answer's save: nothing changes between.
+/// (Two answers of one thread marked by this statement are not applied
+/// at all, so neither's look at the other matters.)
+const MARKED: &str = concat!(
+    op_cols!(),
+    ", EXISTS (SELECT 1 FROM operations w WHERE w.tenant = operations.tenant \
+       AND w.thread_id = operations.thread_id AND w.inbox_at IS NOT NULL AND w.decision_id IS NOT NULL \
+       AND w.id <> operations.id) AS others_wait, ",
+    held_back!(
+        "operations.tenant",
+        "operations.thread_id",
+        "(SELECT i.id FROM inbox i WHERE i.tenant = operations.tenant AND i.correlation_id = operations.decision_id)"
+    ),
+    " AS held_back"
+);
+
 impl Store {
-    /// `Store::insert_inbox_batch` on SQLite, for the `unique` entries
-    /// (the first of each decision in the batch) with their bodies'
-    /// `hashes`.
+    /// `Store::insert_inbox_batch_with` on SQLite, for the `unique`
+    /// entries (the first of each decision in the batch) with their
+    /// bodies' `hashes`.
     pub(super) async fn insert_inbox_batch_sqlite(
         &self,
         entries: &[OwnedInboxEntry],
@@ -62,6 +93,7 @@ impl Store {
         unique: &[usize],
         hashes: &[String],
         now: i64,
+        first_saves: Option<FirstSaves<'_>>,
     ) -> Result<BatchInsert, StoreError> {
         let rows = unique.len().next_power_of_two();
         let sql = text(rows);
@@ -82,10 +114,12 @@ impl Store {
         // them to commit with their callers told they failed.
         let mut stored: Vec<Option<i64>> = vec![None; entries.len()];
         let mut threads: Vec<(String, String)> = Vec::new();
+        let mut marked: Vec<&SqliteRow> = Vec::new();
         let decoded: Result<(), sqlx::Error> = found.iter().try_for_each(|row| {
             if let Ok(thread) = row.try_get::<Option<String>, _>("thread_id") {
                 if let Some(thread) = thread {
-                    threads.push((row.try_get("marked_tenant")?, thread));
+                    threads.push((row.try_get("tenant")?, thread));
+                    marked.push(row);
                 }
             } else {
                 let (tenant, correlation_id) = (row.try_get("tenant")?, row.try_get("correlation_id")?);
@@ -97,9 +131,22 @@ impl Store {
             turn.abandon(&e.to_string());
             return Err(e.into());
         }
+        let mut applied = Vec::new();
         let results = if stored.iter().all(Option::is_some) {
+            if let Some(first_saves) = first_saves {
+                let answers = applicable(&marked, &threads, &stored, entries, first);
+                match apply_first(&mut turn, answers, first_saves).await {
+                    Ok(a) => applied = a,
+                    Err(e) => {
+                        turn.abandon(&e.to_string());
+                        return Err(e);
+                    }
+                }
+            }
             stored.iter().map(|id| InboxInsert::Stored(id.expect("all stored"))).collect()
         } else {
+            // A batch with a repeat is stored without first saves, as on
+            // PostgreSQL: its answers are left to their threads' reads.
             match repeats(turn.conn(), entries, &stored, now, &mut threads).await {
                 Ok(results) => results,
                 Err(e) => {
@@ -108,9 +155,98 @@ impl Store {
                 }
             }
         };
-        turn.finish(Ok(())).await?;
-        Ok(self.batch_done(results, threads))
+        if let Err(e) = turn.finish(Ok(())).await {
+            if let Some(first_saves) = first_saves {
+                applied.iter().for_each(|a| first_saves.not_made(&a.save));
+            }
+            return Err(e);
+        }
+        let mut done = self.batch_done(results, threads);
+        done.applied = applied;
+        Ok(done)
     }
+}
+
+/// The answers of a batch that may be applied in its turn: each for a
+/// pending operation, its thread's one answer in the batch, no other
+/// answer waiting on the thread and none before it still resuming. An
+/// operation that does not decode is left to its thread's read, which
+/// reports it.
+fn applicable(
+    marked: &[&SqliteRow],
+    threads: &[(String, String)],
+    stored: &[Option<i64>],
+    entries: &[OwnedInboxEntry],
+    first: &HashMap<(&str, &str), usize>,
+) -> Vec<(InboxEntry, Operation)> {
+    let mut answers_per_thread: HashMap<&(String, String), usize> = HashMap::new();
+    for t in threads {
+        *answers_per_thread.entry(t).or_default() += 1;
+    }
+    let mut answers = Vec::new();
+    for row in marked {
+        let clear = |flag| row.try_get::<bool, _>(flag).is_ok_and(|set| !set);
+        if !(clear("others_wait") && clear("held_back")) {
+            continue;
+        }
+        let Ok(op) = Operation::from_row(*row) else { continue };
+        let Some(decision) = op.decision_id.as_deref() else { continue };
+        let key = (op.tenant.clone(), op.thread_id.clone());
+        if op.state != State::Pending || answers_per_thread.get(&key) != Some(&1) {
+            continue;
+        }
+        if let Some(&i) = first.get(&(op.tenant.as_str(), decision))
+            && let Some(id) = stored[i]
+        {
+            answers.push((stored_entry(&entries[i], id), op));
+        }
+    }
+    answers
+}
+
+/// Makes the first saves `first_saves` gives for `answers` in the
+/// inbox's turn, before its commit: the answers applied. A save that did
+/// not take (its operation moved) changed nothing, and its answer is left
+/// to its thread's read. An error: the group's transaction may be gone.
+async fn apply_first(
+    turn: &mut Turn<'_>,
+    answers: Vec<(InboxEntry, Operation)>,
+    first_saves: FirstSaves<'_>,
+) -> Result<Vec<Applied>, StoreError> {
+    let applying: Vec<Applied> = answers
+        .into_iter()
+        .filter_map(|(entry, op)| first_saves.first_save(&entry, &op).map(|save| Applied { entry, save }))
+        .collect();
+    if applying.is_empty() {
+        return Ok(Vec::new());
+    }
+    let values: Vec<Values> = applying
+        .iter()
+        .map(|a| {
+            save_values(&a.save.op, &a.save.transitions, Some((a.entry.id, "processed", Some(a.save.note))))
+        })
+        .collect();
+    let rows: Vec<&[SaveValue]> = values.iter().map(|v| v.0.as_slice()).collect();
+    turn.ran_writes(1 + rows.len() as u64);
+    let took = match run_in_sqlite_turn(turn.conn(), &rows).await {
+        Ok(took) => took,
+        Err(e) => {
+            applying.iter().for_each(|a| first_saves.not_made(&a.save));
+            return Err(e);
+        }
+    };
+    let mut applied = Vec::with_capacity(applying.len());
+    for (mut a, took) in applying.into_iter().zip(took) {
+        if took {
+            a.save.op.version += 1;
+            a.save.op.unrecorded_calls.clear();
+            a.save.op.unrecorded_delivery = None;
+            applied.push(a);
+        } else {
+            first_saves.not_made(&a.save);
+        }
+    }
+    Ok(applied)
 }
 
 /// A failed text: SQLite undid the statement that failed; the savepoint

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tokio::sync::{Mutex, Notify, mpsc, oneshot};
 
-use super::{AnswerSave, Applied, InboxEntry, InboxInsert, Operation, Store, StoreError};
+use super::{Applied, InboxEntry, InboxInsert, Operation, Store, StoreError};
 
 /// Largest number of callbacks in one transaction.
 pub const MAX_BATCH: usize = 256;
@@ -42,9 +42,9 @@ pub struct OwnedInboxEntry {
 /// those applied in the batch's commit (`BatchInsert::applied`).
 type OnStored = Arc<dyn Fn(&[(String, String)], Vec<(InboxEntry, Operation)>, Vec<Applied>) + Send + Sync>;
 
-/// Asked, on PostgreSQL, for the first save of each answer stored for a
-/// pending operation, made in the batch's own commit (decisions §36).
-pub type AnswerSaves = Arc<dyn Fn(&InboxEntry, &Operation) -> Option<AnswerSave> + Send + Sync>;
+/// Asked for the first save of each answer stored for a pending
+/// operation, made in the batch's own commit (decisions §36, §38).
+pub type AnswerSaves = Arc<dyn super::save::FirstSave>;
 
 type Job = (OwnedInboxEntry, oneshot::Sender<Result<InboxInsert, StoreError>>);
 
@@ -126,10 +126,12 @@ impl Committer {
 
     async fn commit(&self, jobs: &mut Vec<Job>) {
         let (entries, replies): (Vec<OwnedInboxEntry>, Vec<_>) = jobs.drain(..).unzip();
+        // SQLite's batch gives its first saves no statement of their own
+        // unless it has answers to apply: nothing to spare it.
         let first_saves = self
             .first_saves
             .as_deref()
-            .filter(|_| self.answers_seen.load(Ordering::Relaxed))
+            .filter(|_| !self.store.is_postgres() || self.answers_seen.load(Ordering::Relaxed))
             .map(|f| f as super::FirstSaves<'_>);
         match self.store.insert_inbox_batch_with(&entries, first_saves).await {
             Ok(mut batch) => {
@@ -237,8 +239,8 @@ impl InboxWriter {
     /// Starts the writer tasks. They end when every handle is dropped,
     /// after committing what was queued.
     /// `on_stored` gets the threads whose operations now have an answer
-    /// waiting, after the commit that holds it; `first_saves`, on
-    /// PostgreSQL, gives the answers' first saves the commit makes.
+    /// waiting, after the commit that holds it; `first_saves` gives the
+    /// answers' first saves the commit makes.
     pub fn start(
         store: Store,
         on_stored: impl Fn(&[(String, String)], Vec<(InboxEntry, Operation)>, Vec<Applied>)
@@ -252,7 +254,6 @@ impl InboxWriter {
         let on_stored: OnStored = Arc::new(on_stored);
         let pg = store.is_postgres();
         let second_look = pg.then(|| spawn_second_look(store.clone(), Arc::clone(&on_stored)));
-        let first_saves = first_saves.filter(|_| pg);
         let answers_seen = Arc::new(AtomicBool::new(true));
         let committer = Committer { store, on_stored, first_saves, answers_seen, second_look };
         if pg {

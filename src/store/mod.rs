@@ -22,7 +22,7 @@ pub use db::{BatchInsert, Store, ThreadWork};
 pub use inbox_writer::{AnswerSaves, InboxWriter, MAX_BATCH, OwnedInboxEntry};
 pub use insights::{Activity, OperatorFilter};
 pub use rows::{DeliveryRecord, InboxEntry, Operation, PusharyCall, Transition};
-pub use save::{AnswerSave, Applied, FirstSaves, LeaseWith, TakeLease};
+pub use save::{AnswerSave, Applied, FirstSave, FirstSaves, LeaseWith, TakeLease};
 pub use sqlite_group::WriterBusy;
 pub use work_signal::WORK_CHANNEL;
 

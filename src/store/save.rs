@@ -78,7 +78,7 @@ macro_rules! release_next_answer {
 mod postgres;
 mod sqlite;
 pub(super) use postgres::{PgSaveQueue, make_function, refused_by_database, run_in};
-pub(super) use sqlite::SaveQueue;
+pub(super) use sqlite::{SaveQueue, run_in_turn as run_in_sqlite_turn};
 use std::sync::Arc;
 
 /// What a save binds, in `bind_all!`'s order (`$n` is the n-th), then its
@@ -422,7 +422,16 @@ pub struct AnswerSave {
 
 /// Asked by the inbox, for each answer it stores for a pending operation
 /// (one per thread of the batch), the save that applies it, if any.
-pub type FirstSaves<'a> = &'a (dyn Fn(&InboxEntry, &Operation) -> Option<AnswerSave> + Sync);
+pub trait FirstSave: Send + Sync {
+    fn first_save(&self, entry: &InboxEntry, op: &Operation) -> Option<AnswerSave>;
+
+    /// SQLite: a save `first_save` gave was not made, or its commit
+    /// failed. Whatever was held for it (the thread's claim, decisions
+    /// §38) goes. PostgreSQL's saves give their leases back themselves.
+    fn not_made(&self, save: &AnswerSave);
+}
+
+pub type FirstSaves<'a> = &'a dyn FirstSave;
 
 /// An answer applied in its callback's commit: its entry as stored, and
 /// its save as made (the operation's version bumped; the lease taken).

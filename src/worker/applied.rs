@@ -1,5 +1,6 @@
-//! PostgreSQL: an answer's first save made in the commit that stores its
-//! callback, and the visit that goes on from it (decisions §36).
+//! An answer's first save made in the commit that stores its callback,
+//! and the visit that goes on from it (decisions §36; SQLite §38, where
+//! the thread's claim stands in for its lease).
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;
@@ -34,6 +35,12 @@ impl Engine {
         let span = steps::resume_span(entry, op);
         let _entered = span.enter();
         let (op, transitions, note, _) = steps::first_save_of_answer(entry, op.clone())?;
+        // On SQLite the claim is the lease (§14): held from here, through
+        // the commit, for the visit that goes on; a worker on the thread
+        // now reads the answer itself.
+        if !self.store.is_postgres() && !self.claims.reserve(&(op.tenant.clone(), op.thread_id.clone())) {
+            return None;
+        }
         let turn = self.next_owner.fetch_add(1, Ordering::Relaxed);
         let now = now_ms();
         Some(AnswerSave {
@@ -56,7 +63,8 @@ impl Engine {
         let Applied { entry, save } = applied;
         let AnswerSave { op, owner, now: took_at, .. } = save;
         let now = now_ms();
-        let leased_at = if now - took_at >= self.settings.lease_ms / 3 {
+        let shared = self.store.is_postgres();
+        let leased_at = if shared && now - took_at >= self.settings.lease_ms / 3 {
             let renewed = self
                 .store
                 .renew_lease(&op.tenant, &op.thread_id, &owner, now + self.settings.lease_ms)
@@ -71,7 +79,8 @@ impl Engine {
             took_at
         };
         let span = steps::resume_span(&entry, &op);
-        let visit = Visit { lease_owner: Some(owner), took_at: Some(leased_at), ..Visit::default() };
+        let visit =
+            Visit { lease_owner: shared.then_some(owner), took_at: Some(leased_at), ..Visit::default() };
         let went_on = async {
             tracing::info!(state = %op.state, "answer applied");
             self.metrics.inc("approvald_resumes_total", &[("state", op.state.as_str())]);
@@ -88,10 +97,11 @@ impl Engine {
         VISIT.scope(RefCell::new(visit), went_on.instrument(span)).await.map(Some)
     }
 
-    /// Lets go of the leases of answers applied for visits that will not
-    /// come: the workers are stopping. Their threads are free at once for
-    /// another process, which finds each consume on record and spends the
-    /// permit knowing an earlier attempt may have (none was made).
+    /// Lets go of the leases (on SQLite, the claims) of answers applied
+    /// for visits that will not come: the workers are stopping. Their
+    /// threads are free at once for another process, which finds each
+    /// consume on record and spends the permit knowing an earlier attempt
+    /// may have (none was made).
     pub(super) async fn let_applied_go(&self) {
         let applied: Vec<Box<Applied>> = self
             .handed_lock()
@@ -103,9 +113,29 @@ impl Engine {
             .collect();
         for a in applied {
             let op = &a.save.op;
+            if !self.store.is_postgres() {
+                self.claims.unreserve(&(op.tenant.clone(), op.thread_id.clone()));
+                continue;
+            }
             if let Err(e) = self.store.release_lease(&op.tenant, &op.thread_id, &a.save.owner).await {
                 tracing::warn!(error = %e, thread_id = %op.thread_id, "cannot let go of an applied answer's lease; it runs out");
             }
+        }
+    }
+}
+
+impl crate::store::FirstSave for Engine {
+    fn first_save(&self, entry: &InboxEntry, op: &Operation) -> Option<AnswerSave> {
+        Engine::first_save(self, entry, op)
+    }
+
+    /// The thread's claim, held for the save's visit on SQLite, goes; a
+    /// worker that was told of the thread meanwhile, and passed it by, is
+    /// told again.
+    fn not_made(&self, save: &AnswerSave) {
+        let key = (save.op.tenant.clone(), save.op.thread_id.clone());
+        if self.claims.unreserve(&key) == super::claims::Missed::Offered {
+            self.offer(&[key]);
         }
     }
 }

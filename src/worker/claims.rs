@@ -41,6 +41,17 @@ struct Held {
     offered: bool,
     /// `Inner::reads` when the holder's latest read of the thread began.
     read_from: u64,
+    /// Held by the inbox for an applied answer, not by a worker.
+    reserved: Option<Reserved>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reserved {
+    /// The answer's save is being made: no worker may take the thread.
+    Applying,
+    /// The answer is handed on: the next worker to take the thread goes
+    /// on from it, holding the claim from the save on.
+    Ready,
 }
 
 #[derive(Debug, Default)]
@@ -66,11 +77,55 @@ impl Claims {
         let mut inner = self.inner();
         let read_from = inner.reads;
         if let Some(held) = inner.held.get_mut(&key) {
+            if held.reserved == Some(Reserved::Ready) {
+                held.reserved = None;
+                held.read_from = read_from;
+                return Some(Claim { claims: self, key: Some(key) });
+            }
             held.offered = true;
             return None;
         }
-        inner.held.insert(key.clone(), Held { offered: false, read_from });
+        inner.held.insert(key.clone(), Held { offered: false, read_from, reserved: None });
         Some(Claim { claims: self, key: Some(key) })
+    }
+
+    /// Holds a free thread for an answer the inbox is applying (SQLite):
+    /// false if a worker, or another such answer, has it.
+    pub(crate) fn reserve(&self, key: &ThreadKey) -> bool {
+        let mut inner = self.inner();
+        if inner.held.contains_key(key) {
+            return false;
+        }
+        let read_from = inner.reads;
+        inner
+            .held
+            .insert(key.clone(), Held { offered: false, read_from, reserved: Some(Reserved::Applying) });
+        true
+    }
+
+    /// The reserved thread's answer is handed on: the next `take` of it
+    /// takes the claim over.
+    pub(crate) fn hand_over(&self, key: &ThreadKey) {
+        if let Some(held) = self.inner().held.get_mut(key)
+            && held.reserved == Some(Reserved::Applying)
+        {
+            held.reserved = Some(Reserved::Ready);
+        }
+    }
+
+    /// Frees a thread reserved and not taken over (its answer's save was
+    /// not made, or no visit will come): whether it was named to a worker
+    /// meanwhile, who then passed it by.
+    pub(crate) fn unreserve(&self, key: &ThreadKey) -> Missed {
+        let mut inner = self.inner();
+        match inner.held.get(key) {
+            Some(held) if held.reserved.is_some() => {
+                let offered = held.offered;
+                inner.held.remove(key);
+                if offered { Missed::Offered } else { Missed::Nothing }
+            }
+            _ => Missed::Nothing,
+        }
     }
 
     /// How many threads are held.
@@ -218,6 +273,39 @@ mod tests {
         assert_eq!(claims.busy(), 0);
         let again = claims.take(key("t1")).expect("free after the drop");
         assert_eq!(again.release().1, Missed::Nothing, "the old asks went with the old claim");
+    }
+
+    // The inbox's hold on a thread (SQLite): no worker takes it while the
+    // answer is being applied; once handed on, the next take goes on
+    // holding it, and a name given meanwhile is not lost.
+    #[test]
+    fn a_reserved_thread_is_taken_over_only_once_handed_on() {
+        let claims = Claims::default();
+        let worker = claims.take(key("busy")).expect("free");
+        assert!(!claims.reserve(&key("busy")), "a worker has it");
+        assert!(claims.reserve(&key("t1")));
+        assert!(!claims.reserve(&key("t1")), "reserved once");
+        assert!(claims.take(key("t1")).is_none(), "not while the answer is applied");
+        claims.hand_over(&key("t1"));
+        let claim = claims.take(key("t1")).expect("taken over");
+        assert!(claims.take(key("t1")).is_none(), "held by its new holder");
+        assert_eq!(claims.unreserve(&key("t1")), Missed::Nothing, "a worker's claim is not a reservation");
+        assert_eq!(claims.busy(), 2);
+        assert_eq!(claim.release(), (key("t1"), Missed::Offered), "named while applied and while held");
+        drop(worker);
+        assert_eq!(claims.busy(), 0);
+    }
+
+    #[test]
+    fn an_unreserved_thread_is_free_and_says_if_it_was_named() {
+        let claims = Claims::default();
+        assert!(claims.reserve(&key("t1")));
+        assert_eq!(claims.unreserve(&key("t1")), Missed::Nothing);
+        assert!(claims.reserve(&key("t1")), "free again");
+        assert!(claims.take(key("t1")).is_none());
+        claims.hand_over(&key("t1"));
+        assert_eq!(claims.unreserve(&key("t1")), Missed::Offered, "handed on, then let go unvisited");
+        assert!(claims.take(key("t1")).is_some(), "free again");
     }
 
     #[test]

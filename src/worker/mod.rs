@@ -186,7 +186,8 @@ pub struct Engine {
     /// them work, not yet handed to a worker.
     candidates: std::sync::Mutex<VecDeque<ThreadKey>>,
     /// Answers the inbox stored for pending operations, for the worker
-    /// that takes the thread next (PostgreSQL, decisions §35 and §36).
+    /// that takes the thread next (decisions §35 and §36, PostgreSQL; §38,
+    /// SQLite, applied answers only).
     handed: std::sync::Mutex<HashMap<ThreadKey, Handed>>,
     /// The store may hold work that no candidate names: a worker that
     /// runs out of candidates reads the store only then (decisions §33).
@@ -329,7 +330,10 @@ impl Engine {
             // Not bounded: `first_save` makes none past the bound.
             for a in applied {
                 let key = (a.save.op.tenant.clone(), a.save.op.thread_id.clone());
-                handed.insert(key, Handed::Applied(Box::new(a)));
+                handed.insert(key.clone(), Handed::Applied(Box::new(a)));
+                // SQLite: the claim held since the save goes to the next
+                // worker to take the thread, who finds the answer above.
+                self.claims.hand_over(&key);
             }
             for (entry, op) in answers {
                 // Bounded: an entry goes when its thread is next visited
@@ -447,7 +451,8 @@ impl Engine {
             if more {
                 self.wake.notify_one();
             }
-            let handed = if shared { self.handed_lock().remove(claim.key()) } else { None };
+            // On SQLite only applied answers are handed on (§38).
+            let handed = self.handed_lock().remove(claim.key());
             // An answer handed on: applied at once, its first save taking
             // the lease; refused, the thread is taken as any other.
             let mut carried = None;
@@ -461,7 +466,9 @@ impl Engine {
                     // another's: the thread is its now.
                     Ok(None) => continue,
                     Err(e) => {
-                        let _ = self.store.release_lease(&tenant, &thread, &owner).await;
+                        if shared {
+                            let _ = self.store.release_lease(&tenant, &thread, &owner).await;
+                        }
                         self.let_go(claim);
                         return Err(e);
                     }
@@ -552,7 +559,7 @@ impl Engine {
             let visit = match carried {
                 Some(v) => Visit {
                     due_next: v.due_next,
-                    lease_owner: Some(owner.clone()),
+                    lease_owner: shared.then(|| owner.clone()),
                     gave_up: v.gave_up,
                     ..Visit::default()
                 },

@@ -445,10 +445,10 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it() {
     };
     pg_pending(&pool, &[("op-1", "free"), ("op-2", "held")]).await;
     hold_lease(&pool, "held", "other", i64::MAX / 2).await;
-    let first_saves = |e: &crate::store::InboxEntry, op: &crate::store::Operation| engine.first_save(e, op);
+    let first_saves: crate::store::FirstSaves<'_> = &engine;
     let batch = engine
         .store
-        .insert_inbox_batch_with(&[callback("dec-1", "yes"), callback("dec-2", "yes")], Some(&first_saves))
+        .insert_inbox_batch_with(&[callback("dec-1", "yes"), callback("dec-2", "yes")], Some(first_saves))
         .await
         .expect("stores");
     assert!(batch.results.iter().all(|r| matches!(r, crate::store::InboxInsert::Stored(_))));
@@ -607,11 +607,11 @@ async fn the_inbox_waits_briefly_for_a_lease_in_anothers_hands() {
     let mut other = pool.begin().await.expect("begins");
     hold_lease(&mut *other, "busy", "other", 1).await; // uncommitted
     let entry = callback("dec-1", "yes");
-    let first_saves = |e: &crate::store::InboxEntry, op: &crate::store::Operation| engine.first_save(e, op);
+    let first_saves: crate::store::FirstSaves<'_> = &engine;
     // Well short of the connection's own lock timeout (`store.busy_timeout_ms`, 5 s).
     let batch = tokio::time::timeout(
         Duration::from_secs(2),
-        engine.store.insert_inbox_batch_with(std::slice::from_ref(&entry), Some(&first_saves)),
+        engine.store.insert_inbox_batch_with(std::slice::from_ref(&entry), Some(first_saves)),
     )
     .await
     .expect("does not wait for the other transaction")
@@ -625,4 +625,134 @@ async fn the_inbox_waits_briefly_for_a_lease_in_anothers_hands() {
     assert_eq!(state, "pending");
     drop(engine);
     db.drop().await;
+}
+
+/// Operations (id `op-N`, thread) pending on decision `dec-N` on SQLite,
+/// their deadlines passed: an answer expires each with one save, and no
+/// call leaves the process.
+async fn sqlite_pending(pool: &sqlx::SqlitePool, ops: &[(&str, &str)]) {
+    due_finished_at(pool, ops.iter().map(|(id, thread)| (id.to_string(), thread.to_string())), 1).await;
+    sqlx::query(
+        "UPDATE operations SET state = 'pending', due_at = NULL, decision_id = 'dec-' || substr(id, 4)",
+    )
+    .execute(pool)
+    .await
+    .expect("pending");
+}
+
+/// The engine's first saves, each made stale (the operation moved since):
+/// none takes.
+struct Stale<'a>(&'a Engine);
+
+impl crate::store::FirstSave for Stale<'_> {
+    fn first_save(
+        &self,
+        e: &crate::store::InboxEntry,
+        op: &crate::store::Operation,
+    ) -> Option<crate::store::AnswerSave> {
+        let mut save = self.0.first_save(e, op)?;
+        save.op.version += 5;
+        Some(save)
+    }
+
+    fn not_made(&self, save: &crate::store::AnswerSave) {
+        crate::store::FirstSave::not_made(self.0, save)
+    }
+}
+
+// SQLite: an answer is applied in the turn that stores its callback, and
+// commits with it, when a read of its thread would have returned it
+// first to a worker holding the thread: the thread free of this
+// process's workers, no other answer waiting on it and none before it
+// still resuming, its one answer in the batch (decisions §38). The
+// thread's claim is held from the save to the visit that goes on.
+#[tokio::test]
+async fn an_answer_is_applied_in_the_commit_that_stores_it_on_sqlite() {
+    let (_dir, store, pool) = sqlite_store().await;
+    let engine = engine(store);
+    let threads = [
+        ("op-1", "free"),
+        ("op-2", "busy"),
+        ("op-3", "behind"),
+        ("op-5", "two"),
+        ("op-6", "two"),
+        ("op-7", "waits"),
+        ("op-8", "waits"),
+    ];
+    sqlite_pending(&pool, &threads).await;
+    // An earlier answer of `behind` still resumes; one waits on `waits`.
+    sqlx::raw_sql(
+        "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, \
+           decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, created_at, \
+           updated_at, resume_seq) \
+         SELECT 'op-4', 't', 'op-4', 'f', 'behind', 'i', 'e', 'confirm', spec, '{}', 'delivering', 'dec-4', \
+           'op-4', 9, 1, 1, 0 FROM operations WHERE id = 'op-1'; \
+         UPDATE operations SET inbox_at = 5 WHERE id = 'op-8'",
+    )
+    .execute(&pool)
+    .await
+    .expect("inserts");
+    let worker = engine.claims.take(key("busy")).expect("free");
+    let batch = ["dec-1", "dec-2", "dec-3", "dec-5", "dec-6", "dec-7"].map(|d| callback(d, "yes"));
+
+    // Stale, none takes: each thread's claim goes again.
+    let stale = Stale(&engine);
+    let first = engine.store.insert_inbox_batch_with(&batch[..1], Some(&stale)).await.expect("stores");
+    assert!(first.applied.is_empty(), "{first:?}");
+    assert!(engine.claims.reserve(&key("free")), "its claim went with the save");
+    assert_eq!(engine.claims.unreserve(&key("free")), Missed::Nothing);
+    sqlx::query("DELETE FROM inbox").execute(&pool).await.expect("deletes");
+    sqlx::query("UPDATE operations SET inbox_at = NULL WHERE id <> 'op-8'")
+        .execute(&pool)
+        .await
+        .expect("clears");
+
+    let first_saves: crate::store::FirstSaves<'_> = &engine;
+    let batch = engine.store.insert_inbox_batch_with(&batch, Some(first_saves)).await.expect("stores");
+    assert!(batch.results.iter().all(|r| matches!(r, crate::store::InboxInsert::Stored(_))));
+    let applied: Vec<(&str, i64)> =
+        batch.applied.iter().map(|a| (a.save.op.id.as_str(), a.save.op.version)).collect();
+    assert_eq!(applied, [("op-1", 1)], "only the free thread's one answer");
+    let ops: Vec<(String, String, Option<i64>)> =
+        sqlx::query_as("SELECT id, state, inbox_at FROM operations WHERE id <> 'op-4' ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+    assert_eq!((ops[0].1.as_str(), ops[0].2), ("expired", None), "committed with its callback");
+    assert!(ops[1..].iter().all(|(_, state, inbox_at)| state == "pending" && inbox_at.is_some()), "{ops:?}");
+    let processed: Vec<String> =
+        sqlx::query_scalar("SELECT correlation_id FROM inbox WHERE state = 'processed'")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+    assert_eq!(processed, ["dec-1"]);
+    assert!(!engine.claims.reserve(&key("free")), "held for the visit that goes on");
+
+    // Named before it is handed on, the thread is passed by; handed on,
+    // the next worker goes on from the answer, holding the claim, and
+    // the thread is named again when it lets go.
+    engine.unread.store(false, Ordering::SeqCst);
+    engine.offer(&[key("free")]);
+    assert!(!engine.visit_next(false).await.expect("visits"), "not before it is handed on");
+    engine.stored(&[key("free")], batch.answers, batch.applied);
+    assert!(engine.visit_next(false).await.expect("visits"));
+    assert!(engine.handed_lock().is_empty(), "taken by the visit");
+    assert_eq!(queued(&engine), [key("free")], "named while applied: named again");
+    engine.offer(&batch.threads);
+    drop(worker);
+    for _ in 0..16 {
+        if !engine.visit_next(false).await.expect("visits") {
+            break;
+        }
+    }
+    assert_eq!(engine.claims.busy(), 0);
+    let expired: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT operation_id, count(*) FROM transitions WHERE to_state = 'expired' GROUP BY operation_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("reads");
+    // `op-8`'s mark had no answer behind it, and was cleared.
+    let once = ["op-1", "op-2", "op-3", "op-5", "op-6", "op-7"].map(|id| (id.to_string(), 1));
+    assert_eq!(expired, once, "each answer applied once, by its commit or by its thread's read");
 }

@@ -300,6 +300,28 @@ async fn run_batch(mut turn: Turn<'_>, batch: Vec<Pending>) {
     }
 }
 
+/// Runs the answers' first saves in the inbox's turn (decisions §38):
+/// whether each took. A statement SQLite refuses changes nothing, and its
+/// saves are reported as not taken, their answers left to their threads'
+/// reads; an error means the group's transaction may be gone.
+pub(crate) async fn run_in_turn(
+    conn: &mut sqlx::SqliteConnection,
+    rows: &[&[SaveValue]],
+) -> Result<Vec<bool>, StoreError> {
+    let mut took = Vec::with_capacity(rows.len());
+    for chunk in rows.chunks(MAX_BATCH) {
+        match execute(conn, chunk).await {
+            Ok(saved) => took.extend(saved),
+            Err(Failed::Statement(e)) => {
+                tracing::warn!(error = %e, "the answers' first saves were refused; their threads' reads apply them");
+                took.extend(std::iter::repeat_n(false, chunk.len()));
+            }
+            Err(Failed::Transaction(e)) => return Err(e),
+        }
+    }
+    Ok(took)
+}
+
 /// Runs `rows` as one statement: whether each took.
 async fn execute(conn: &mut sqlx::SqliteConnection, rows: &[&[SaveValue]]) -> Result<Vec<bool>, Failed> {
     let text = batch_text(rows.len());
