@@ -185,16 +185,18 @@ fn applicable(
     }
     let mut answers = Vec::new();
     for row in marked {
+        // The cheap looks first: the writer is held.
         let clear = |flag| row.try_get::<bool, _>(flag).is_ok_and(|set| !set);
-        if !(clear("others_wait") && clear("held_back")) {
+        let one = |tenant: String, thread: String| answers_per_thread.get(&(tenant, thread)) == Some(&1);
+        let alone = match (row.try_get("tenant"), row.try_get("thread_id"), row.try_get::<&str, _>("state")) {
+            (Ok(tenant), Ok(thread), Ok(state)) => state == State::Pending.as_str() && one(tenant, thread),
+            _ => false,
+        };
+        if !(alone && clear("others_wait") && clear("held_back")) {
             continue;
         }
         let Ok(op) = Operation::from_row(*row) else { continue };
         let Some(decision) = op.decision_id.as_deref() else { continue };
-        let key = (op.tenant.clone(), op.thread_id.clone());
-        if op.state != State::Pending || answers_per_thread.get(&key) != Some(&1) {
-            continue;
-        }
         if let Some(&i) = first.get(&(op.tenant.as_str(), decision))
             && let Some(id) = stored[i]
         {

@@ -197,11 +197,7 @@ impl Turn<'_> {
     /// writer in it, this turn's and those waiting for its commit, gets
     /// `reason`. For a turn whose writes may have been half kept.
     pub(crate) fn abandon(mut self, reason: &str) {
-        // Dropped, the connection closes and SQLite rolls back what it has open.
-        self.guard.conn = None;
-        self.guard.turns = 0;
-        let next = watch::channel(None).0;
-        std::mem::replace(&mut self.guard.outcome, next).send_replace(Some(Err(reason.to_string())));
+        give_up(&mut self.guard, reason);
     }
 
     /// The turn ran `n` callers' writes, not one: `/metrics` counts writes.
@@ -228,10 +224,25 @@ impl Committed {
     }
 }
 
+/// The open transaction goes: rolled back as its connection is dropped,
+/// and every writer in it gets `reason`.
+fn give_up(state: &mut State, reason: &str) {
+    state.conn = None;
+    state.turns = 0;
+    let next = watch::channel(None).0;
+    std::mem::replace(&mut state.outcome, next).send_replace(Some(Err(reason.to_string())));
+}
+
 impl Drop for Turn<'_> {
     // Also on a cancelled writer, so a transaction is never left open
     // holding SQLite's write lock.
     fn drop(&mut self) {
+        // A writer that panicked in its turn (the inbox's runs the
+        // engine's decisions, decisions §38) may have left its writes half
+        // made: they are not committed with the others.
+        if std::thread::panicking() && self.guard.conn.is_some() {
+            give_up(&mut self.guard, "a writer panicked in its turn");
+        }
         let held = self.held.elapsed().as_micros() as u64;
         self.guard.hold_us += held;
         self.busy.writing_us.fetch_add(held, Ordering::Relaxed);
@@ -393,6 +404,28 @@ mod tests {
         let mut third = group.turn().await.expect("a turn");
         let r = sqlx::query("INSERT INTO t VALUES (3)").execute(&mut *third.conn()).await.map(|_| ());
         third.finish(r.map_err(StoreError::from)).await.expect("commits");
+        assert_eq!(values(&pool).await, vec![3]);
+    }
+
+    // A writer that panics in its turn takes the open transaction down:
+    // its half-made writes are never committed, nor those beside them.
+    #[tokio::test]
+    async fn a_turn_dropped_by_a_panic_abandons_its_transaction() {
+        let (_dir, pool, group) = group().await;
+        group.pause_commits(true);
+        let mut first = group.turn().await.expect("a turn");
+        sqlx::query("INSERT INTO t VALUES (1)").execute(&mut *first.conn()).await.expect("runs");
+        let committed = first.release();
+        let mut turn = group.turn().await.expect("a turn");
+        sqlx::query("INSERT INTO t VALUES (2)").execute(&mut *turn.conn()).await.expect("runs");
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = turn;
+            panic!("mid-turn");
+        }));
+        assert!(panicked.is_err());
+        group.pause_commits(false);
+        assert!(committed.wait().await.is_err_and(|e| e.to_string().contains("panicked")));
+        write(&group, "INSERT INTO t VALUES (3)").await.expect("commits");
         assert_eq!(values(&pool).await, vec![3]);
     }
 

@@ -330,6 +330,13 @@ impl Engine {
             // Not bounded: `first_save` makes none past the bound.
             for a in applied {
                 let key = (a.save.op.tenant.clone(), a.save.op.thread_id.clone());
+                // Saved as the workers stopped, after they let the applied
+                // answers go: no visit comes, and on SQLite the claim goes
+                // (on PostgreSQL the lease runs out).
+                if self.stopping() && !self.store.is_postgres() {
+                    self.claims.unreserve(&key);
+                    continue;
+                }
                 handed.insert(key.clone(), Handed::Applied(Box::new(a)));
                 // SQLite: the claim held since the save goes to the next
                 // worker to take the thread, who finds the answer above.

@@ -641,7 +641,7 @@ async fn sqlite_pending(pool: &sqlx::SqlitePool, ops: &[(&str, &str)]) {
 }
 
 /// The engine's first saves, each made stale (the operation moved since):
-/// none takes.
+/// none takes. Each thread is named to a worker while its save is made.
 struct Stale<'a>(&'a Engine);
 
 impl crate::store::FirstSave for Stale<'_> {
@@ -652,6 +652,8 @@ impl crate::store::FirstSave for Stale<'_> {
     ) -> Option<crate::store::AnswerSave> {
         let mut save = self.0.first_save(e, op)?;
         save.op.version += 5;
+        let key = (op.tenant.clone(), op.thread_id.clone());
+        assert!(self.0.claims.take(key).is_none(), "held for the save");
         Some(save)
     }
 
@@ -699,8 +701,18 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it_on_sqlite() {
     let stale = Stale(&engine);
     let first = engine.store.insert_inbox_batch_with(&batch[..1], Some(&stale)).await.expect("stores");
     assert!(first.applied.is_empty(), "{first:?}");
+    let (state, inbox_at, inbox_state): (String, Option<i64>, String) = sqlx::query_as(
+        "SELECT o.state, o.inbox_at, i.state FROM operations o JOIN inbox i ON i.correlation_id = o.decision_id \
+         WHERE o.id = 'op-1'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("reads");
+    assert_eq!((state.as_str(), inbox_at.is_some(), inbox_state.as_str()), ("pending", true, "new"));
     assert!(engine.claims.reserve(&key("free")), "its claim went with the save");
     assert_eq!(engine.claims.unreserve(&key("free")), Missed::Nothing);
+    assert_eq!(queued(&engine), [key("free")], "named while held for the save: named again");
+    engine.queue().clear();
     sqlx::query("DELETE FROM inbox").execute(&pool).await.expect("deletes");
     sqlx::query("UPDATE operations SET inbox_at = NULL WHERE id <> 'op-8'")
         .execute(&pool)
@@ -755,4 +767,15 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it_on_sqlite() {
     // `op-8`'s mark had no answer behind it, and was cleared.
     let once = ["op-1", "op-2", "op-3", "op-5", "op-6", "op-7"].map(|id| (id.to_string(), 1));
     assert_eq!(expired, once, "each answer applied once, by its commit or by its thread's read");
+
+    // Applied, and no visit came before the workers stopped: the claim goes.
+    sqlite_pending(&pool, &[("op-9", "late")]).await;
+    let late = engine.store.insert_inbox_batch_with(&[callback("dec-9", "yes")], Some(first_saves)).await;
+    let late = late.expect("stores");
+    assert_eq!(late.applied.len(), 1);
+    engine.stored(&[], Vec::new(), late.applied);
+    assert_eq!(engine.claims.busy(), 1);
+    engine.let_applied_go().await;
+    assert_eq!(engine.claims.busy(), 0);
+    assert!(engine.handed_lock().is_empty());
 }
