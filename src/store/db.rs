@@ -472,10 +472,7 @@ pub(super) fn handed_answers(
     entries: &[OwnedInboxEntry],
     first: &HashMap<(&str, &str), usize>,
 ) -> Vec<(InboxEntry, Operation)> {
-    let mut answers_per_thread: HashMap<&(String, String), usize> = HashMap::new();
-    for t in threads {
-        *answers_per_thread.entry(t).or_default() += 1;
-    }
+    let answers_per_thread = answers_per_thread(threads);
     let mut answers = Vec::new();
     for &place in pending {
         let row = &rows[place];
@@ -493,6 +490,18 @@ pub(super) fn handed_answers(
         }
     }
     answers
+}
+
+/// How many of a batch's answers each thread got (`threads` has a
+/// thread once for each operation the batch marked): only a thread's one
+/// answer is handed on or applied at once, since of several the first by
+/// arrival goes first, which its read decides.
+pub(super) fn answers_per_thread(threads: &[(String, String)]) -> HashMap<&(String, String), usize> {
+    let mut per_thread: HashMap<&(String, String), usize> = HashMap::new();
+    for t in threads {
+        *per_thread.entry(t).or_default() += 1;
+    }
+    per_thread
 }
 
 /// The inbox row `id` as the batch stored it from `e`.

@@ -17,7 +17,9 @@ use std::collections::HashMap;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteConnection};
 
-use super::db::{BatchInsert, BatchTexts, Store, batch_text, record_stored, stored_entry};
+use super::db::{
+    BatchInsert, BatchTexts, Store, answers_per_thread, batch_text, record_stored, stored_entry,
+};
 use super::inbox_writer::OwnedInboxEntry;
 use super::save::{Applied, FirstSaves, SaveValue, Values, run_in_sqlite_turn, save_values};
 use super::sqlite_group::Turn;
@@ -179,10 +181,7 @@ fn applicable(
     entries: &[OwnedInboxEntry],
     first: &HashMap<(&str, &str), usize>,
 ) -> Vec<(InboxEntry, Operation)> {
-    let mut answers_per_thread: HashMap<&(String, String), usize> = HashMap::new();
-    for t in threads {
-        *answers_per_thread.entry(t).or_default() += 1;
-    }
+    let answers_per_thread = answers_per_thread(threads);
     let mut answers = Vec::new();
     for row in marked {
         // The cheap looks first: the writer is held.
