@@ -13,7 +13,7 @@ use sqlx::postgres::{PgRow, Postgres};
 
 use super::db::{Store, StoredRows, handed_answers, read_stored_rows};
 use super::inbox_writer::OwnedInboxEntry;
-use super::save::{Applied, FirstSaves, LeaseWith, SaveValue, TakeLease, run_in, save_values};
+use super::save::{Applied, FirstSaves, LeaseWith, SaveValue, TakeLease, run_in};
 use super::{InboxInsert, StoreError};
 
 /// What became of a batch inserted in a transaction with its answers'
@@ -57,18 +57,8 @@ impl Store {
         }
         let mut applied = Vec::with_capacity(applying.len());
         if !applying.is_empty() {
-            let values: Vec<Vec<SaveValue>> = applying
-                .iter()
-                .map(|a| {
-                    save_values(
-                        &a.save.op,
-                        &a.save.transitions,
-                        Some((a.entry.id, "processed", Some(a.save.note))),
-                    )
-                    .0
-                })
-                .collect();
-            let rows: Vec<&[SaveValue]> = values.iter().map(Vec::as_slice).collect();
+            let values: Vec<_> = applying.iter().map(Applied::values).collect();
+            let rows: Vec<&[SaveValue]> = values.iter().map(|v| v.0.as_slice()).collect();
             let leases: Vec<LeaseWith<'_>> = applying
                 .iter()
                 .map(|a| LeaseWith {
@@ -91,9 +81,7 @@ impl Store {
             drop(leases);
             for (mut a, (took, _)) in applying.into_iter().zip(saved) {
                 if took {
-                    a.save.op.version += 1;
-                    a.save.op.unrecorded_calls.clear();
-                    a.save.op.unrecorded_delivery = None;
+                    a.saved(true);
                     applied.push(a);
                 }
             }

@@ -21,7 +21,7 @@ use super::db::{
     BatchInsert, BatchTexts, Store, answers_per_thread, batch_text, record_stored, stored_entry,
 };
 use super::inbox_writer::OwnedInboxEntry;
-use super::save::{Applied, FirstSaves, SaveValue, Values, run_in_sqlite_turn, save_values};
+use super::save::{Applied, FirstSaves, SaveValue, run_in_sqlite_turn};
 use super::sqlite_group::Turn;
 use super::{InboxEntry, InboxInsert, Operation, StoreError};
 use crate::domain::state::State;
@@ -221,12 +221,7 @@ async fn apply_first(
     if applying.is_empty() {
         return Ok(Vec::new());
     }
-    let values: Vec<Values> = applying
-        .iter()
-        .map(|a| {
-            save_values(&a.save.op, &a.save.transitions, Some((a.entry.id, "processed", Some(a.save.note))))
-        })
-        .collect();
+    let values: Vec<_> = applying.iter().map(Applied::values).collect();
     let rows: Vec<&[SaveValue]> = values.iter().map(|v| v.0.as_slice()).collect();
     turn.ran_writes(1 + rows.len() as u64);
     let took = match run_in_sqlite_turn(turn.conn(), &rows).await {
@@ -239,9 +234,7 @@ async fn apply_first(
     let mut applied = Vec::with_capacity(applying.len());
     for (mut a, took) in applying.into_iter().zip(took) {
         if took {
-            a.save.op.version += 1;
-            a.save.op.unrecorded_calls.clear();
-            a.save.op.unrecorded_delivery = None;
+            a.saved(true);
             applied.push(a);
         } else {
             first_saves.not_made(&a.save);

@@ -363,11 +363,7 @@ impl Store {
                 (queue.save(values).await?, false)
             }
         };
-        op.unrecorded_delivery = None;
-        op.unrecorded_calls.clear();
-        if saved {
-            op.version += 1;
-        }
+        recorded(op, saved);
         Ok((saved, released))
     }
 }
@@ -439,6 +435,33 @@ pub type FirstSaves<'a> = &'a dyn FirstSave;
 pub struct Applied {
     pub entry: InboxEntry,
     pub save: AnswerSave,
+}
+
+/// What a save leaves on `op`: its calls and delivery attempt recorded
+/// (whether it took or not), and, if it took, its version moved on.
+fn recorded(op: &mut Operation, saved: bool) {
+    op.unrecorded_delivery = None;
+    op.unrecorded_calls.clear();
+    if saved {
+        op.version += 1;
+    }
+}
+
+impl Applied {
+    /// The values of its first save: the answer applied, its inbox row
+    /// settled.
+    pub(super) fn values(&self) -> Values {
+        save_values(
+            &self.save.op,
+            &self.save.transitions,
+            Some((self.entry.id, "processed", Some(self.save.note))),
+        )
+    }
+
+    /// Its first save was made (`took`): the operation as it now stands.
+    pub(super) fn saved(&mut self, took: bool) {
+        recorded(&mut self.save.op, took);
+    }
 }
 
 /// What the two engines' batch tests share: a save's values, and what a

@@ -114,7 +114,7 @@ impl Engine {
         for a in applied {
             let op = &a.save.op;
             if !self.store.is_postgres() {
-                self.claims.unreserve(&(op.tenant.clone(), op.thread_id.clone()));
+                self.give_claim_back(&a.save);
                 continue;
             }
             if let Err(e) = self.store.release_lease(&op.tenant, &op.thread_id, &a.save.owner).await {
@@ -129,10 +129,16 @@ impl crate::store::FirstSave for Engine {
         Engine::first_save(self, entry, op)
     }
 
-    /// The thread's claim, held for the save's visit on SQLite, goes; a
-    /// worker that was told of the thread meanwhile, and passed it by, is
-    /// told again.
     fn not_made(&self, save: &AnswerSave) {
+        self.give_claim_back(save);
+    }
+}
+
+impl Engine {
+    /// SQLite: the claim held for `save`'s visit goes (§38), and a worker
+    /// that was told of the thread meanwhile, and passed it by, is told
+    /// again. Nothing held (PostgreSQL, or a claim taken over): nothing.
+    pub(super) fn give_claim_back(&self, save: &AnswerSave) {
         let key = (save.op.tenant.clone(), save.op.thread_id.clone());
         if self.claims.unreserve(&key) == super::claims::Missed::Offered {
             self.offer(&[key]);

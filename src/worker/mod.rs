@@ -334,7 +334,7 @@ impl Engine {
                 // answers go: no visit comes, and on SQLite the claim goes
                 // (on PostgreSQL the lease runs out).
                 if self.stopping() && !self.store.is_postgres() {
-                    self.claims.unreserve(&key);
+                    self.give_claim_back(&a.save);
                     continue;
                 }
                 handed.insert(key.clone(), Handed::Applied(Box::new(a)));
