@@ -34,6 +34,12 @@ than approvald's own single-row statements do.
     python3 benches/pg_approval_writes.py [SECONDS] [ROUNDS] [PGURL]
     # defaults: 10 s per run, 2 rounds, postgres://postgres@127.0.0.1:5432/postgres
 
+Environment: `KINDS` (default `rows,all,visits`) and `BATCHES` (default
+`4,8,16,32`) choose the runs; `SPEC_BYTES` (default `300,185`) sizes the
+two immutable columns `spec` and `decision_request` of every operation:
+`SPEC_BYTES=0,0` measures the writes of a row as narrow as it would be
+with them in a table of their own (thirty-fourth session).
+
 Needs `psql` and `pgbench` on PATH and a role that may create databases.
 It creates `x_approval_writes_<pid>` and drops it at the end.
 """
@@ -63,7 +69,23 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DB = f"x_approval_writes_{os.getpid()}"
 DB_URL = URL.rsplit("/", 1)[0] + "/" + DB
 OPERATIONS = 100_000
-BATCHES = (4, 8, 16, 32)
+
+
+def env_list(name, default, names=None):
+    """The comma-separated list in environment variable `name`: whole
+    numbers, or members of `names` when given."""
+    items = os.environ.get(name, default).split(",")
+    for item in items:
+        if (names is None and not item.isdigit()) or (names is not None and item not in names):
+            raise SystemExit(f"{name}: {item!r} is not " + (f"one of {', '.join(names)}" if names else "a whole number"))
+    return items if names else [int(i) for i in items]
+
+
+BATCHES = env_list("BATCHES", "4,8,16,32")
+if 0 in BATCHES:
+    raise SystemExit("BATCHES: a batch holds at least one approval")
+KINDS = env_list("KINDS", "rows,all,visits", ("rows", "all", "visits"))
+SPEC, REQUEST = (env_list("SPEC_BYTES", "300,185") + [0, 0])[:2]
 
 # Ids as long as approvald's (a prefix and 26 characters), computed cheaply.
 OP = "'op_' || lpad(g::text, 26, '0')"
@@ -233,7 +255,7 @@ def main():
             "decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, created_at, "
             "updated_at, poll_at, opened_at) "
             f"SELECT {OP}, 'default', 'bench-' || g, md5(g::text) || md5(g::text), {THREAD}, 'int-' || g, "
-            "'bench', 'confirm', repeat('s', 300), repeat('d', 185), 'pending', 'dec_' || lpad(g::text, 26, '0'), "
+            f"'bench', 'confirm', repeat('s', {SPEC}), repeat('d', {REQUEST}), 'pending', 'dec_' || lpad(g::text, 26, '0'), "
             "'idem_' || g, 9999999999999, 1700000000000 + g, 1700000000000 + g, 1700000060000 + g, "
             f"1700000000000 + g FROM generate_series(1, {OPERATIONS}) g"
         )
@@ -241,7 +263,7 @@ def main():
         psql("VACUUM ANALYZE")
         tmp = pathlib.Path(tempfile.mkdtemp())
         runs = [("baseline: single-row commits", "INSERT INTO bench_baseline (body) VALUES (repeat('x', 300));\n", 64, 1)]
-        for kind in ("rows", "all", "visits"):
+        for kind in KINDS:
             for n in BATCHES:
                 runs.append((f"{kind}, {n} per batch", script(kind, n), min(64, max(4, 128 // n)), n))
         results = {name: [] for name, *_ in runs}

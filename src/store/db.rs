@@ -401,20 +401,39 @@ macro_rules! bind_inbox_rows {
     };
 }
 
+/// How a PostgreSQL batch's insert finds the operations its rows answer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Finding {
+    /// Marks them (`inbox_at`), with the conflict clause when `plain` is
+    /// false (a repeat in the batch).
+    Mark { plain: bool },
+    /// Locks them, as the mark would, and leaves them unmarked: the
+    /// applying transaction's (decisions §39), whose first saves write
+    /// the operations' next version, and which marks only those not saved.
+    Lock,
+}
+
 /// PostgreSQL's batch insert text for `rows` rows (a power of two); it
 /// is on every batch's path. SQLite's is in `inbox_sqlite`. `plain`: the
 /// first try's, without the conflict clause.
-fn inbox_insert_text(rows: usize, plain: bool) -> std::borrow::Cow<'static, str> {
+fn inbox_insert_text(rows: usize, finding: Finding) -> std::borrow::Cow<'static, str> {
     static TEXTS: BatchTexts = [const { std::sync::OnceLock::new() }; _];
     static PLAIN: BatchTexts = [const { std::sync::OnceLock::new() }; _];
-    if plain {
-        batch_text(&PLAIN, rows, |rows| build_inbox_insert_text(rows, insert_inbox_rows!(plain)))
-    } else {
-        batch_text(&TEXTS, rows, |rows| build_inbox_insert_text(rows, insert_inbox_rows!()))
+    static LOCK: BatchTexts = [const { std::sync::OnceLock::new() }; _];
+    match finding {
+        Finding::Mark { plain: true } => {
+            batch_text(&PLAIN, rows, |rows| build_inbox_insert_text(rows, insert_inbox_rows!(plain), false))
+        }
+        Finding::Mark { plain: false } => {
+            batch_text(&TEXTS, rows, |rows| build_inbox_insert_text(rows, insert_inbox_rows!(), false))
+        }
+        Finding::Lock => {
+            batch_text(&LOCK, rows, |rows| build_inbox_insert_text(rows, insert_inbox_rows!(plain), true))
+        }
     }
 }
 
-fn build_inbox_insert_text(rows: usize, insert: &str) -> String {
+fn build_inbox_insert_text(rows: usize, insert: &str, lock: bool) -> String {
     let mut sql = String::from(
         "WITH v (tenant, correlation_id, answer, answered_at, body, body_sha256, source, received_at) AS \
          (VALUES ",
@@ -446,14 +465,29 @@ fn build_inbox_insert_text(rows: usize, insert: &str) -> String {
     // latest version: an UPDATE reads the row it locks), so its answer can
     // be handed to a worker with it (decisions §35).
     let marked: Vec<String> = op_cols!().split(',').map(|c| format!("o.{}", c.trim())).collect();
+    let find = if lock {
+        // The same rows the mark would take, their latest versions, locked
+        // as the mark's update would lock them; `$n` is bound all the same.
+        format!(
+            "SELECT {} FROM operations o JOIN ins ON o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
+             WHERE o.inbox_at IS NULL AND o.decision_id IS NOT NULL AND ${}::bigint IS NOT NULL \
+             FOR NO KEY UPDATE OF o",
+            marked.join(", "),
+            rows * 8 + 1
+        )
+    } else {
+        format!(
+            "UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
+             AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
+             RETURNING {}",
+            rows * 8 + 1,
+            marked.join(", ")
+        )
+    };
     sql.push_str(&format!(
-        "), m AS (UPDATE operations o SET inbox_at = ${} FROM ins WHERE o.inbox_at IS NULL \
-         AND o.decision_id IS NOT NULL AND o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
-         RETURNING {}) SELECT ins.id AS inbox_id, ins.tenant AS inbox_tenant, \
+        "), m AS ({find}) SELECT ins.id AS inbox_id, ins.tenant AS inbox_tenant, \
          ins.correlation_id AS inbox_correlation_id, m.* \
-         FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id",
-        rows * 8 + 1,
-        marked.join(", ")
+         FROM ins LEFT JOIN m ON m.tenant = ins.tenant AND m.decision_id = ins.correlation_id"
     ));
     sql
 }
@@ -1234,8 +1268,8 @@ impl Store {
         }
         let Backend::Postgres(pool) = &self.backend else { unreachable!("SQLite returned above") };
         let rows = unique.len().next_power_of_two();
-        let query = |plain| {
-            let mut q = match inbox_insert_text(rows, plain) {
+        let query = |finding| {
+            let mut q = match inbox_insert_text(rows, finding) {
                 std::borrow::Cow::Borrowed(text) => sqlx::query(text),
                 std::borrow::Cow::Owned(text) => sqlx::query(AssertSqlSafe(text)),
             };
@@ -1252,14 +1286,16 @@ impl Store {
             // Once more on a connection that lacked the save function.
             for _ in 0..2 {
                 let mut tx = conn.begin().await?;
-                match query(true).fetch_all(&mut *tx).await {
-                    Ok(rows) => match self.commit_applying(tx, &rows, entries, &first, first_saves).await? {
-                        super::inbox_apply::Applying::Done(done) => return Ok(done),
-                        super::inbox_apply::Applying::Again { make_function: true } => {
-                            super::save::make_function(&mut conn).await?;
+                match query(Finding::Lock).fetch_all(&mut *tx).await {
+                    Ok(rows) => {
+                        match self.commit_applying(tx, &rows, entries, &first, first_saves, now).await? {
+                            super::inbox_apply::Applying::Done(done) => return Ok(done),
+                            super::inbox_apply::Applying::Again { make_function: true } => {
+                                super::save::make_function(&mut conn).await?;
+                            }
+                            super::inbox_apply::Applying::Again { make_function: false } => break,
                         }
-                        super::inbox_apply::Applying::Again { make_function: false } => break,
-                    },
+                    }
                     Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
                         tx.rollback().await?;
                         repeats = true;
@@ -1277,9 +1313,9 @@ impl Store {
         // more CPU per stored row in pgbench (decisions §30). A repeat of
         // a stored callback (Pushary sends again only what was not
         // acknowledged) fails the statement, which then runs with it.
-        let stored_rows = match query(!repeats).fetch_all(&mut *conn).await {
+        let stored_rows = match query(Finding::Mark { plain: !repeats }).fetch_all(&mut *conn).await {
             Err(sqlx::Error::Database(e)) if e.is_unique_violation() && !repeats => {
-                query(false).fetch_all(&mut *conn).await?
+                query(Finding::Mark { plain: false }).fetch_all(&mut *conn).await?
             }
             r => r?,
         };
@@ -2094,8 +2130,10 @@ mod tests {
     #[test]
     fn an_inbox_batch_is_tried_without_the_conflict_clause_and_retried_with_it() {
         for rows in [1, 4, 256] {
-            let (plain, retry) =
-                (super::inbox_insert_text(rows, true), super::inbox_insert_text(rows, false));
+            let (plain, retry) = (
+                super::inbox_insert_text(rows, super::Finding::Mark { plain: true }),
+                super::inbox_insert_text(rows, super::Finding::Mark { plain: false }),
+            );
             assert!(!plain.contains("ON CONFLICT"), "{plain}");
             assert!(plain.contains("v.correlation_id) RETURNING id, tenant, correlation_id"), "{plain}");
             assert!(

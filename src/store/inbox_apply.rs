@@ -5,16 +5,24 @@
 //! as `TakeLease` does, run in the batch's transaction before its commit.
 //! An answer's way to its effect then waits for two durable commits, not
 //! three, and the machine makes one commit and one save statement fewer
-//! per approval.
+//! per approval. The insert locks the operations it finds rather than
+//! marking them, and marks only those no first save took (§39): an
+//! applied answer's operation gets one new row version in the
+//! transaction, its save's, not two.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
+use sqlx::Row;
 use sqlx::postgres::{PgRow, Postgres};
 
 use super::db::{Store, StoredRows, handed_answers, read_stored_rows};
 use super::inbox_writer::OwnedInboxEntry;
 use super::save::{Applied, FirstSaves, LeaseWith, SaveValue, TakeLease, run_in};
 use super::{InboxInsert, StoreError};
+
+/// Marks the operations `$1` (ids) as having an answer waiting since `$2`,
+/// as the plain insert's mark does.
+const MARK_FOUND: &str = "UPDATE operations SET inbox_at = $2 WHERE id = ANY($1) AND inbox_at IS NULL";
 
 /// What became of a batch inserted in a transaction with its answers'
 /// first saves.
@@ -41,6 +49,7 @@ impl Store {
         entries: &[OwnedInboxEntry],
         first: &HashMap<(&str, &str), usize>,
         first_saves: FirstSaves<'_>,
+        now: i64,
     ) -> Result<Applying, StoreError> {
         let StoredRows { stored, threads, unmarked, pending } = read_stored_rows(rows, first, entries.len())?;
         let Some(ids) = stored.into_iter().collect::<Option<Vec<i64>>>() else {
@@ -85,6 +94,22 @@ impl Store {
                     applied.push(a);
                 }
             }
+        }
+        // The insert found its rows' operations without marking them
+        // (decisions §39): those no first save took are marked now, as the
+        // plain insert marks them, so that a worker's read finds their
+        // answers.
+        let saved: HashSet<&str> = applied.iter().map(|a| a.save.op.id.as_str()).collect();
+        let mut unsaved = Vec::new();
+        for row in rows {
+            if let Some(id) = row.try_get::<Option<String>, _>("id")?
+                && !saved.contains(id.as_str())
+            {
+                unsaved.push(id);
+            }
+        }
+        if !unsaved.is_empty() {
+            sqlx::query(MARK_FOUND).bind(&unsaved).bind(now).execute(&mut *tx).await?;
         }
         if let Err(e) = tx.commit().await {
             // The commit may have been made and its answer lost: the

@@ -518,6 +518,54 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it() {
     db.drop().await;
 }
 
+// The applying batch finds its operations without marking them, and marks
+// those no first save took (decisions §39): an answer for an operation
+// that is no longer pending is marked, as a plain batch marks it, and one
+// applied is not, its save being the operation's one new version.
+#[tokio::test]
+async fn an_applying_batch_marks_only_the_operations_it_did_not_save() {
+    let Some((db, pool, engine)) = pg_engine("worker::tests::an_applying_batch_marks_only", &[]).await else {
+        return;
+    };
+    pg_pending(&pool, &[("op-1", "one"), ("op-2", "two")]).await;
+    sqlx::query("UPDATE operations SET state = 'answered' WHERE id = 'op-2'")
+        .execute(&pool)
+        .await
+        .expect("updates");
+    // Every row version the batch writes, counted.
+    for ddl in [
+        "CREATE TABLE written (id TEXT NOT NULL)",
+        "CREATE FUNCTION count_written() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN INSERT INTO written VALUES (NEW.id); RETURN NEW; END$$",
+        "CREATE TRIGGER written AFTER UPDATE ON operations FOR EACH ROW EXECUTE FUNCTION count_written()",
+    ] {
+        sqlx::query(ddl).execute(&pool).await.expect("counts writes");
+    }
+    let first_saves: crate::store::FirstSaves<'_> = &engine;
+    let batch = engine
+        .store
+        .insert_inbox_batch_with(&[callback("dec-1", "yes"), callback("dec-2", "yes")], Some(first_saves))
+        .await
+        .expect("stores");
+    assert_eq!(batch.applied.len(), 1, "{batch:?}");
+    let written: Vec<(String, i64)> =
+        sqlx::query_as("SELECT id, count(*) FROM written GROUP BY id ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+    assert_eq!(written, [("op-1".into(), 1), ("op-2".into(), 1)], "one version each: the save, the mark");
+    let ops: Vec<(String, i64, Option<i64>)> =
+        sqlx::query_as("SELECT id, version, inbox_at FROM operations ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .expect("reads");
+    assert_eq!((ops[0].1, ops[0].2), (1, None), "saved, not marked");
+    assert_eq!(ops[1].1, 0);
+    assert!(ops[1].2.is_some(), "marked, as a plain batch marks it");
+    drop(engine);
+    db.drop().await;
+}
+
 // An approval applied in its callback's commit, its permit's spending on
 // record, whose deadline passed before a worker came: the visit makes no
 // call and expires it, the attempt cleared (no call was made). And when
