@@ -458,7 +458,8 @@ fn build_inbox_insert_text(rows: usize, insert: &str, lock: bool) -> String {
     // The operations the stored rows answer are marked by the same
     // statement (it sees the rows through `ins`), committed on its own:
     // one round trip where BEGIN, insert, mark and COMMIT were four, on
-    // every callback's way to its acknowledgement.
+    // every callback's way to its acknowledgement. In the applying
+    // transaction they are found and locked instead (`Finding::Lock`).
     sql.push_str("), ins AS (");
     sql.push_str(insert);
     // The marked operation comes back whole, as the mark left it (the
@@ -527,7 +528,8 @@ pub(super) fn handed_answers(
 }
 
 /// How many of a batch's answers each thread got (`threads` has a
-/// thread once for each operation the batch marked): only a thread's one
+/// thread once for each operation the batch marked, or found and
+/// locked, §39): only a thread's one
 /// answer is handed on or applied at once, since of several the first by
 /// arrival goes first, which its read decides.
 pub(super) fn answers_per_thread(threads: &[(String, String)]) -> HashMap<&(String, String), usize> {
@@ -570,8 +572,8 @@ pub(super) fn record_stored(
 
 /// What a batch's insert returned, read: by entry, the id of the row it
 /// stored (first entries only); the threads of the operations the rows
-/// marked; the rows that marked none; and the places, in the rows, of
-/// those that marked a pending operation.
+/// marked (or found, §39); the rows that marked none; and the places, in
+/// the rows, of those that marked a pending operation.
 pub(super) struct StoredRows {
     pub(super) stored: Vec<Option<i64>>,
     pub(super) threads: Vec<(String, String)>,
