@@ -300,6 +300,14 @@ async fn pg_pending(pool: &sqlx::PgPool, ops: &[(&str, &str)]) {
     .expect("pending");
 }
 
+/// The answers to dec-1 and dec-2 stored in one batch that applies what
+/// it may (decisions §36).
+async fn apply_two_answers(engine: &Engine) -> crate::store::BatchInsert {
+    let first_saves: crate::store::FirstSaves<'_> = engine;
+    let answers = [callback("dec-1", "yes"), callback("dec-2", "yes")];
+    engine.store.insert_inbox_batch_with(&answers, Some(first_saves)).await.expect("stores")
+}
+
 /// A verified callback answering `decision`.
 fn callback(decision: &str, answer: &str) -> crate::store::OwnedInboxEntry {
     crate::store::OwnedInboxEntry {
@@ -445,12 +453,7 @@ async fn an_answer_is_applied_in_the_commit_that_stores_it() {
     };
     pg_pending(&pool, &[("op-1", "free"), ("op-2", "held")]).await;
     hold_lease(&pool, "held", "other", i64::MAX / 2).await;
-    let first_saves: crate::store::FirstSaves<'_> = &engine;
-    let batch = engine
-        .store
-        .insert_inbox_batch_with(&[callback("dec-1", "yes"), callback("dec-2", "yes")], Some(first_saves))
-        .await
-        .expect("stores");
+    let batch = apply_two_answers(&engine).await;
     assert!(batch.results.iter().all(|r| matches!(r, crate::store::InboxInsert::Stored(_))));
     assert_eq!(batch.applied.len(), 1, "the leased thread's answer is not applied: {batch:?}");
     assert!(batch.answers.is_empty(), "nor handed on: its save was refused");
@@ -541,12 +544,7 @@ async fn an_applying_batch_marks_only_the_operations_it_did_not_save() {
     ] {
         sqlx::query(ddl).execute(&pool).await.expect("counts writes");
     }
-    let first_saves: crate::store::FirstSaves<'_> = &engine;
-    let batch = engine
-        .store
-        .insert_inbox_batch_with(&[callback("dec-1", "yes"), callback("dec-2", "yes")], Some(first_saves))
-        .await
-        .expect("stores");
+    let batch = apply_two_answers(&engine).await;
     assert_eq!(batch.applied.len(), 1, "{batch:?}");
     let written: Vec<(String, i64)> =
         sqlx::query_as("SELECT id, count(*) FROM written GROUP BY id ORDER BY id")
