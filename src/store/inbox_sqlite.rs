@@ -372,10 +372,17 @@ mod tests {
         let mut turn = group.turn().await.expect("a turn");
         sqlx::query("INSERT INTO beside VALUES (1)").execute(&mut *turn.conn()).await.expect("runs");
         let beside = turn.release();
-        let err =
-            store.insert_inbox_batch(&[entry("dec-0"), entry("bad")]).await.expect_err("the insert fails");
+        // Commits are paused: a batch that did not fail would wait for one.
+        let failing = |batch: [OwnedInboxEntry; 2]| {
+            let store = &store;
+            async move {
+                let stored = store.insert_inbox_batch(&batch);
+                tokio::time::timeout(std::time::Duration::from_secs(10), stored).await.expect("fails at once")
+            }
+        };
+        let err = failing([entry("dec-0"), entry("bad")]).await.expect_err("the insert fails");
         assert!(err.to_string().contains("a bad row"), "{err}");
-        let err = store.insert_inbox_batch(&[entry("dec-1"), entry("x")]).await.expect_err("the mark fails");
+        let err = failing([entry("dec-1"), entry("x")]).await.expect_err("the mark fails");
         assert!(err.to_string().contains("a bad mark"), "{err}");
         group.pause_commits(false);
         beside.wait().await.expect("the write beside them commits");
