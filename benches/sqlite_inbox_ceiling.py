@@ -21,10 +21,20 @@ import time
 import uuid
 
 SECS = float(os.environ.get("SECS", "4"))
+
+
+def whole(name, default):
+    """The positive whole number in environment variable `name`."""
+    value = os.environ.get(name, default)
+    if not value.isdigit() or int(value) == 0:
+        raise SystemExit(f"{name} must be a positive whole number, not {value!r}")
+    return int(value)
+
+
 # SQLite's page size for both files (SQLite's default, 4096, unless set).
-PAGE_SIZE = int(os.environ.get("PAGE_SIZE", "4096"))
+PAGE_SIZE = whole("PAGE_SIZE", "4096")
 # SQLite's page cache for both connections, KiB (approvald's default, 1024, unless set).
-CACHE_KIB = int(os.environ.get("CACHE_KIB", "1024"))
+CACHE_KIB = whole("CACHE_KIB", "1024")
 DIR = sys.argv[1] if len(sys.argv) > 1 else "."
 BODY = "x" * 300
 

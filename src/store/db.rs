@@ -402,7 +402,7 @@ macro_rules! bind_inbox_rows {
 }
 
 /// How a PostgreSQL batch's insert finds the operations its rows answer.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 enum Finding {
     /// Marks them (`inbox_at`), with the conflict clause when `plain` is
     /// false (a repeat in the batch).
@@ -468,13 +468,11 @@ fn build_inbox_insert_text(rows: usize, insert: &str, lock: bool) -> String {
     let marked: Vec<String> = op_cols!().split(',').map(|c| format!("o.{}", c.trim())).collect();
     let find = if lock {
         // The same rows the mark would take, their latest versions, locked
-        // as the mark's update would lock them; `$n` is bound all the same.
+        // as the mark's update would lock them.
         format!(
             "SELECT {} FROM operations o JOIN ins ON o.tenant = ins.tenant AND o.decision_id = ins.correlation_id \
-             WHERE o.inbox_at IS NULL AND o.decision_id IS NOT NULL AND ${}::bigint IS NOT NULL \
-             FOR NO KEY UPDATE OF o",
-            marked.join(", "),
-            rows * 8 + 1
+             WHERE o.inbox_at IS NULL AND o.decision_id IS NOT NULL FOR NO KEY UPDATE OF o",
+            marked.join(", ")
         )
     } else {
         format!(
@@ -528,10 +526,10 @@ pub(super) fn handed_answers(
 }
 
 /// How many of a batch's answers each thread got (`threads` has a
-/// thread once for each operation the batch marked, or found and
-/// locked, §39): only a thread's one
-/// answer is handed on or applied at once, since of several the first by
-/// arrival goes first, which its read decides.
+/// thread once for each operation the batch marked, or found and locked,
+/// §39): only a thread's one answer is handed on or applied at once,
+/// since of several the first by arrival goes first, which its read
+/// decides.
 pub(super) fn answers_per_thread(threads: &[(String, String)]) -> HashMap<&(String, String), usize> {
     let mut per_thread: HashMap<&(String, String), usize> = HashMap::new();
     for t in threads {
@@ -1276,7 +1274,8 @@ impl Store {
                 std::borrow::Cow::Owned(text) => sqlx::query(AssertSqlSafe(text)),
             };
             bind_inbox_rows!(q, entries, unique, &hashes, rows);
-            q.bind(now)
+            // The mark's time; the lock has none.
+            if matches!(finding, Finding::Lock) { q } else { q.bind(now) }
         };
         let mut conn = pool.acquire().await?;
         // A repeat failed the plain statement already: the conflict clause.

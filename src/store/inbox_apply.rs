@@ -90,7 +90,7 @@ impl Store {
             drop(leases);
             for (mut a, (took, _)) in applying.into_iter().zip(saved) {
                 if took {
-                    a.saved(true);
+                    a.saved();
                     applied.push(a);
                 }
             }

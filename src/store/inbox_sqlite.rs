@@ -234,7 +234,7 @@ async fn apply_first(
     let mut applied = Vec::with_capacity(applying.len());
     for (mut a, took) in applying.into_iter().zip(took) {
         if took {
-            a.saved(true);
+            a.saved();
             applied.push(a);
         } else {
             first_saves.not_made(&a.save);

@@ -458,9 +458,9 @@ impl Applied {
         )
     }
 
-    /// Its first save was made (`took`): the operation as it now stands.
-    pub(super) fn saved(&mut self, took: bool) {
-        recorded(&mut self.save.op, took);
+    /// Its first save took: the operation as it now stands.
+    pub(super) fn saved(&mut self) {
+        recorded(&mut self.save.op, true);
     }
 }
 
