@@ -38,7 +38,14 @@ Environment: `KINDS` (default `rows,all,visits`) and `BATCHES` (default
 `4,8,16,32`) choose the runs; `SPEC_BYTES` (default `300,185`) sizes the
 two immutable columns `spec` and `decision_request` of every operation:
 `SPEC_BYTES=0,0` measures the writes of a row as narrow as it would be
-with them in a table of their own (thirty-fourth session).
+with them in a table of their own (thirty-fourth session). `OPERATIONS`
+(default 100000) is how many operations the table holds; `KEYS=random`
+spreads the keys that come from elsewhere (thread, operation key,
+Pushary's decision id) over their indexes as real ones are (`ordered`,
+the default, keeps them in the operations' order, so a batch's entries
+share leaves); `DROP_INDEXES` names indexes (or unique constraints) of
+`operations` to drop before the runs, to price their upkeep (thirty-fifth
+session).
 
 Needs `psql` and `pgbench` on PATH and a role that may create databases.
 It creates `x_approval_writes_<pid>` and drops it at the end.
@@ -68,7 +75,6 @@ URL = sys.argv[3] if len(sys.argv) > 3 else "postgres://postgres@127.0.0.1:5432/
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DB = f"x_approval_writes_{os.getpid()}"
 DB_URL = URL.rsplit("/", 1)[0] + "/" + DB
-OPERATIONS = 100_000
 
 
 def env_list(name, default, names=None):
@@ -86,10 +92,26 @@ if 0 in BATCHES:
     raise SystemExit("BATCHES: a batch holds at least one approval")
 KINDS = env_list("KINDS", "rows,all,visits", ("rows", "all", "visits"))
 SPEC, REQUEST = (env_list("SPEC_BYTES", "300,185") + [0, 0])[:2]
+OPERATIONS = env_list("OPERATIONS", "100000")[0]
+if OPERATIONS < max(BATCHES):
+    raise SystemExit(f"OPERATIONS: {OPERATIONS} operations cannot fill a batch of {max(BATCHES)}")
+DROP = [i for i in os.environ.get("DROP_INDEXES", "").split(",") if i]
+for index in DROP:
+    if not re.fullmatch(r"operations_[a-z_]+", index):
+        raise SystemExit(f"DROP_INDEXES: {index!r} is not the name of an index of `operations`")
 
 # Ids as long as approvald's (a prefix and 26 characters), computed cheaply.
+# Operation ids grow with time, as approvald's do; with `KEYS=random` the
+# keys that come from elsewhere (the thread, the operation key, Pushary's
+# decision id) are spread over their indexes as real ones are.
+KEYS = env_list("KEYS", "ordered", ("ordered", "random"))[0]
 OP = "'op_' || lpad(g::text, 26, '0')"
-THREAD = "'thread-' || lpad(g::text, 26, '0')"
+if KEYS == "random":
+    THREAD = "'thread-' || left(md5('t' || g::text), 26)"
+    OPERATION_KEY, DECISION = "'bench-' || md5('k' || g::text)", "'dec_' || left(md5('d' || g::text), 26)"
+else:
+    THREAD = "'thread-' || lpad(g::text, 26, '0')"
+    OPERATION_KEY, DECISION = "'bench-' || g", "'dec_' || lpad(g::text, 26, '0')"
 
 
 def ids(n, per=1):
@@ -254,11 +276,13 @@ def main():
             "INSERT INTO operations (id, tenant, operation_key, fingerprint, thread_id, interrupt_id, effect, "
             "decision_type, spec, decision_request, state, decision_id, idempotency_key, deadline, created_at, "
             "updated_at, poll_at, opened_at) "
-            f"SELECT {OP}, 'default', 'bench-' || g, md5(g::text) || md5(g::text), {THREAD}, 'int-' || g, "
-            f"'bench', 'confirm', repeat('s', {SPEC}), repeat('d', {REQUEST}), 'pending', 'dec_' || lpad(g::text, 26, '0'), "
+            f"SELECT {OP}, 'default', {OPERATION_KEY}, md5(g::text) || md5(g::text), {THREAD}, 'int-' || g, "
+            f"'bench', 'confirm', repeat('s', {SPEC}), repeat('d', {REQUEST}), 'pending', {DECISION}, "
             "'idem_' || g, 9999999999999, 1700000000000 + g, 1700000000000 + g, 1700000060000 + g, "
             f"1700000000000 + g FROM generate_series(1, {OPERATIONS}) g"
         )
+        for index in DROP:
+            psql(f"ALTER TABLE operations DROP CONSTRAINT IF EXISTS {index}; DROP INDEX IF EXISTS {index}")
         psql("CREATE TABLE bench_baseline (id BIGSERIAL PRIMARY KEY, body TEXT NOT NULL)")
         psql("VACUUM ANALYZE")
         tmp = pathlib.Path(tempfile.mkdtemp())

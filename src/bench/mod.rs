@@ -4,6 +4,7 @@
 //! many-fold between runs, so only the ratios compare across runs.
 
 mod ceiling;
+mod growth;
 mod load;
 mod raw_http;
 mod report;
@@ -134,8 +135,11 @@ async fn measure(
     let (effect_url, effects) = target::start_effect_target(shutdown.clone()).await?;
     let port = target::free_port()?;
     let effect_secret = "whsec_YmVuY2gtZWZmZWN0LXNlY3JldC0wMTIzNDU2Nzg5";
-    let toml = format!(
-        r#"
+    // A daemon's config: the growth run starts a second one on a store of
+    // its own.
+    let config = |port: u16, url: &str| {
+        format!(
+            r#"
         [server]
         listen = "127.0.0.1:{port}"
         public_url = "http://127.0.0.1:{port}"
@@ -157,13 +161,13 @@ async fn measure(
         url = "{effect_url}"
         secret = "{effect_secret}"
         "#,
-        url = db.url,
-        conns = if pg { 32 } else { 8 },
-        base = sandbox.base_url(),
-        key = sandbox.api_key(),
-        whsec = sandbox.webhook_secret(),
-    );
-    let daemon = Daemon::start(dir, &toml, port).await?;
+            conns = if pg { 32 } else { 8 },
+            base = sandbox.base_url(),
+            key = sandbox.api_key(),
+            whsec = sandbox.webhook_secret(),
+        )
+    };
+    let daemon = Daemon::start(dir, &config(port, &db.url), port).await?;
     let secret = sandbox.webhook_secret();
     let mut rows = Vec::new();
     let baseline = |label: &'static str| {
@@ -502,55 +506,40 @@ async fn measure(
         None,
     ));
 
-    // Growth: the same end-to-end run with a full store.
+    // Growth: the same end-to-end run with a full store, a second store
+    // with a daemon of its own, the runs alternating (growth.rs).
     if o.growth_rows > 0 {
-        // The empty store's figure again, just before the fill: the
-        // machine's speed drifts over minutes, so the two runs compared sit
-        // side by side, as every figure sits beside its baseline.
-        // Operations opened, then answered at full speed.
-        let run = |tag: String, label: String| {
-            let (base, sandbox, effects, url, daemon) = (&daemon.base, &sandbox, &effects, &db.url, &daemon);
-            async move {
-                let decisions = load::open_operations(base, TOKEN, sandbox, o.ops, &tag).await?;
-                let split = CpuSplit::start(daemon);
-                let counters = PgCounters::read(url).await;
-                let r = load::answer_all(sandbox, effects, &decisions, None, &label).await?;
-                let per = pg_per(counters, url, r.count as f64).await;
-                let cpu = split.finish(daemon, r.count as f64, r.count as f64 / r.approvals_per_sec);
-                anyhow::Ok((r, per, cpu))
-            }
-        };
-        // Two runs on each side, compared by their combined rate: one run
-        // of a few thousand approvals lasts a second or two, and the
-        // same comparison swung from 87% to 106% between runs of one
-        // build (docs/performance.md, "Twenty-fifth session").
-        let (empty, empty_pg, empty_cpu) =
-            run(format!("{e2e_tag}e"), format!("{name}: end to end, empty store, before the fill")).await?;
-        let (empty2, _, _) =
-            run(format!("{e2e_tag}e2"), format!("{name}: end to end, empty store, before the fill (2)"))
-                .await?;
-        load::fill(&db.url, o.growth_rows, &format!("{name}: filling")).await?;
-        let (grown, grown_pg, grown_cpu) =
-            run(format!("{e2e_tag}g"), format!("{name}: end to end, full store")).await?;
-        let (grown2, _, _) =
-            run(format!("{e2e_tag}g2"), format!("{name}: end to end, full store (2)")).await?;
+        let full_db = Database::create(engine, dir, "full").await?;
+        let full_port = target::free_port()?;
+        let measured = async {
+            let full = Daemon::start(dir, &config(full_port, &full_db.url), full_port).await?;
+            let runs = growth::Runs { sandbox: &sandbox, effects: &effects, ops: o.ops, tag: &e2e_tag, name };
+            let empty = growth::Side { daemon: &daemon, url: &db.url };
+            runs.measure(empty, growth::Side { daemon: &full, url: &full_db.url }, o.growth_rows).await
+        }
+        .await;
+        full_db.drop_now().await;
+        let m = measured?;
         let (b4, _) = baseline("4").await?;
-        let (before, after) = (combined_rate(&[&empty, &empty2]), combined_rate(&[&grown, &grown2]));
+        let all = |runs: &[load::EndToEnd]| combined_rate(&runs.iter().collect::<Vec<_>>());
+        let list = |runs: &[load::EndToEnd]| {
+            runs.iter().map(|r| fmt_rate(r.approvals_per_sec)).collect::<Vec<_>>().join(", ")
+        };
+        let (before, after) = (all(&m.empty), all(&m.full));
         let rel = after / before;
         rows.push(row(
             &format!(
-                "end to end with {} finished rows (vs empty, just before the fill; two runs each, combined)",
-                o.growth_rows
+                "end to end with {} finished rows (vs a store without them, alternating; {} runs each, combined)",
+                o.growth_rows,
+                m.full.len()
             ),
             format!(
-                "{} ({:.0}% of {}; runs {} and {} against {} and {})",
+                "{} ({:.0}% of {}; runs {} against {})",
                 fmt_rate(after),
                 rel * 100.0,
                 fmt_rate(before),
-                fmt_rate(grown.approvals_per_sec),
-                fmt_rate(grown2.approvals_per_sec),
-                fmt_rate(empty.approvals_per_sec),
-                fmt_rate(empty2.approvals_per_sec),
+                list(&m.full),
+                list(&m.empty),
             ),
             Some((b3 + b4) / 2.0),
             Some(after / ((b3 + b4) / 2.0)),
@@ -559,13 +548,13 @@ async fn measure(
         ));
         rows.push(row(
             "end to end CPU ms per approval (as above): empty → full store (the first run of each)",
-            format!("{empty_cpu} → {grown_cpu}"),
+            format!("{} → {}", m.empty_first.0, m.full_first.0),
             None,
             None,
             "-",
             None,
         ));
-        if let (Some(e), Some(g)) = (empty_pg, grown_pg) {
+        if let (Some(e), Some(g)) = (&m.empty_first.1, &m.full_first.1) {
             rows.push(row(
                 &format!("{WAL_ROW}: empty → full store (the first run of each)"),
                 format!("{e} → {g}"),
