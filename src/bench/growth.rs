@@ -89,11 +89,11 @@ impl Runs<'_> {
         let tag = format!("{}{tag}", self.tag);
         let decisions =
             load::open_operations(&side.daemon.base, super::TOKEN, self.sandbox, count, &tag).await?;
-        let split = CpuSplit::start(side.daemon);
         let counters = PgCounters::read(side.url).await;
+        let split = CpuSplit::start(side.daemon);
         let r = load::answer_all(self.sandbox, self.effects, &decisions, None, label).await?;
-        let pg = pg_per(counters, side.url, r.count as f64).await;
         let cpu = split.finish(side.daemon, r.count as f64, r.count as f64 / r.approvals_per_sec);
+        let pg = pg_per(counters, side.url, r.count as f64).await;
         Ok((r, cpu, pg))
     }
 }

@@ -355,8 +355,8 @@ async fn measure(
     let e2e_tag = format!("e2e{:06x}", rand::random::<u32>() >> 8);
     eprintln!("{name}: opening {} operations", o.ops);
     let decisions = load::open_operations(&daemon.base, TOKEN, &sandbox, o.ops, &e2e_tag).await?;
-    let split = CpuSplit::start(&daemon);
     let counters = PgCounters::read(&db.url).await;
+    let split = CpuSplit::start(&daemon);
     let writer_at = writer::WriterSample::read(&daemon.base).await;
     let e2e = load::answer_all(&sandbox, &effects, &decisions, None, &format!("{name}: end to end")).await?;
     let e2e_secs = e2e.count as f64 / e2e.approvals_per_sec;

@@ -247,6 +247,11 @@ impl PgCounters {
         if !url.starts_with("postgres") {
             return None;
         }
+        // A backend publishes its counters when it goes idle, at most once
+        // a second, so a read just after a run missed up to its last second
+        // (a run of a few hundred approvals read as no WAL at all); waiting
+        // that second out puts each run's own work on its side of the read.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
         let mut conn = sqlx::PgConnection::connect(url).await.ok()?;
         let (wal_bytes, wal_fpi, blks_read): (f64, f64, f64) = sqlx::query_as(
             "SELECT w.wal_bytes::float8, w.wal_fpi::float8, d.blks_read::float8 \
