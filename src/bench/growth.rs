@@ -22,13 +22,19 @@ pub struct Side<'a> {
     pub url: &'a str,
 }
 
-/// Each side's runs in their order, and what the first run of each cost
-/// (CPU split; PostgreSQL's WAL and block counters, None on SQLite).
+/// One end-to-end run: its rate and latencies, the machine's CPU per
+/// approval split as the bench splits it, and PostgreSQL's WAL and block
+/// counters per approval (None on SQLite).
+pub struct Run {
+    pub result: EndToEnd,
+    pub cpu: String,
+    pub pg: Option<String>,
+}
+
+/// Each side's runs, in their order.
 pub struct Measured {
-    pub empty: Vec<EndToEnd>,
-    pub full: Vec<EndToEnd>,
-    pub empty_first: (String, Option<String>),
-    pub full_first: (String, Option<String>),
+    pub empty: Vec<Run>,
+    pub full: Vec<Run>,
 }
 
 /// The order of the runs: each side's positions sum alike (1+4+5+8 and
@@ -55,46 +61,29 @@ impl Runs<'_> {
         let name = self.name;
         self.run(&full, WARM_UP, "gw", &format!("{name}: full store, warming up")).await?;
         load::fill(full.url, rows, &format!("{name}: filling")).await?;
-        let mut m = Measured {
-            empty: Vec::new(),
-            full: Vec::new(),
-            empty_first: Default::default(),
-            full_first: Default::default(),
-        };
+        let mut m = Measured { empty: Vec::new(), full: Vec::new() };
         for (i, is_full) in ORDER.into_iter().enumerate() {
-            let (side, runs, first, what) = if is_full {
-                (&full, &mut m.full, &mut m.full_first, "full")
-            } else {
-                (&empty, &mut m.empty, &mut m.empty_first, "empty")
-            };
+            let (side, runs, what) =
+                if is_full { (&full, &mut m.full, "full") } else { (&empty, &mut m.empty, "empty") };
             let label = format!("{name}: end to end, {what} store ({}/{})", runs.len() + 1, ORDER.len() / 2);
-            let (r, cpu, pg) = self.run(side, self.ops, &format!("g{i}"), &label).await?;
-            if runs.is_empty() {
-                *first = (cpu, pg);
-            }
-            runs.push(r);
+            runs.push(self.run(side, self.ops, &format!("g{i}"), &label).await?);
         }
         Ok(m)
     }
 
     /// One end-to-end run on `side`: `count` operations opened, then
     /// answered at full speed.
-    async fn run(
-        &self,
-        side: &Side<'_>,
-        count: usize,
-        tag: &str,
-        label: &str,
-    ) -> anyhow::Result<(EndToEnd, String, Option<String>)> {
+    async fn run(&self, side: &Side<'_>, count: usize, tag: &str, label: &str) -> anyhow::Result<Run> {
         let tag = format!("{}{tag}", self.tag);
         let decisions =
             load::open_operations(&side.daemon.base, super::TOKEN, self.sandbox, count, &tag).await?;
         let counters = PgCounters::read(side.url).await;
         let split = CpuSplit::start(side.daemon);
-        let r = load::answer_all(self.sandbox, self.effects, &decisions, None, label).await?;
-        let cpu = split.finish(side.daemon, r.count as f64, r.count as f64 / r.approvals_per_sec);
-        let pg = pg_per(counters, side.url, r.count as f64).await;
-        Ok((r, cpu, pg))
+        let result = load::answer_all(self.sandbox, self.effects, &decisions, None, label).await?;
+        let (count, secs) = (result.count as f64, result.count as f64 / result.approvals_per_sec);
+        let cpu = split.finish(side.daemon, count, secs);
+        let pg = pg_per(counters, side.url, count).await;
+        Ok(Run { result, cpu, pg })
     }
 }
 

@@ -521,11 +521,10 @@ async fn measure(
         full_db.drop_now().await;
         let m = measured?;
         let (b4, _) = baseline("4").await?;
-        let all = |runs: &[load::EndToEnd]| combined_rate(&runs.iter().collect::<Vec<_>>());
-        let list = |runs: &[load::EndToEnd]| {
-            runs.iter().map(|r| fmt_rate(r.approvals_per_sec)).collect::<Vec<_>>().join(", ")
+        let list = |runs: &[growth::Run]| {
+            runs.iter().map(|r| fmt_rate(r.result.approvals_per_sec)).collect::<Vec<_>>().join(", ")
         };
-        let (before, after) = (all(&m.empty), all(&m.full));
+        let (before, after) = (combined_rate(&m.empty), combined_rate(&m.full));
         let rel = after / before;
         rows.push(row(
             &format!(
@@ -548,13 +547,13 @@ async fn measure(
         ));
         rows.push(row(
             "end to end CPU ms per approval (as above): empty → full store (the first run of each)",
-            format!("{} → {}", m.empty_first.0, m.full_first.0),
+            format!("{} → {}", m.empty[0].cpu, m.full[0].cpu),
             None,
             None,
             "-",
             None,
         ));
-        if let (Some(e), Some(g)) = (&m.empty_first.1, &m.full_first.1) {
+        if let (Some(e), Some(g)) = (&m.empty[0].pg, &m.full[0].pg) {
             rows.push(row(
                 &format!("{WAL_ROW}: empty → full store (the first run of each)"),
                 format!("{e} → {g}"),
@@ -691,9 +690,9 @@ impl CpuSplit {
 }
 
 /// The rate of `runs` taken together: all their approvals over all their time.
-fn combined_rate(runs: &[&load::EndToEnd]) -> f64 {
-    let count: f64 = runs.iter().map(|r| r.count as f64).sum();
-    let secs: f64 = runs.iter().map(|r| r.count as f64 / r.approvals_per_sec).sum();
+fn combined_rate(runs: &[growth::Run]) -> f64 {
+    let count: f64 = runs.iter().map(|r| r.result.count as f64).sum();
+    let secs: f64 = runs.iter().map(|r| r.result.count as f64 / r.result.approvals_per_sec).sum();
     count / secs
 }
 
